@@ -1,0 +1,29 @@
+# Quick start: `make demo` runs the demo, `make test` runs the whole test suite.
+# Each target creates .venv and installs the pinned dependencies when needed.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench venv clean
+
+$(STAMP): requirements.lock pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --disable-pip-version-check -q -r requirements.lock
+	$(PY) -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m jreshard demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) benchmarks/plan_bench.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

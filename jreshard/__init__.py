@@ -1,0 +1,57 @@
+"""jreshard: move sharded tensors between layouts by sending only what each device lacks.
+
+The core (this package's planner) is pure Python and NumPy: it imports neither
+jax nor torch. Executors are imported lazily when first used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jreshard import reference
+from jreshard._layout import Box, Layout
+from jreshard._mesh import Mesh
+from jreshard._planner import (
+    Move,
+    Plan,
+    PlanError,
+    PlanStats,
+    TensorPlan,
+    check_tensor_plan,
+    clear_cache,
+    plan,
+    plan_layouts,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Box",
+    "Layout",
+    "Mesh",
+    "Move",
+    "Plan",
+    "PlanError",
+    "PlanStats",
+    "TensorPlan",
+    "check_tensor_plan",
+    "clear_cache",
+    "plan",
+    "plan_layouts",
+    "reference",
+]
+
+# Names served by optional layers, imported on first use so that `import jreshard`
+# works on machines without jax (a torch-only inference server plans with it too).
+_LAZY: dict[str, str] = {}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jreshard' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,89 @@
+"""A small pytree walker for the planner (dicts, lists, tuples, namedtuples, None).
+
+The planner must not import jax, so it cannot use ``jax.tree_util``; this walker
+follows the same conventions: mappings are visited in sorted key order, ``None``
+is an empty subtree, everything else is a leaf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = ["flatten", "unflatten", "path_str", "TreeDef"]
+
+TreeDef = Any  # nested tuples: ("dict", keys, children) | ("list"|"tuple", n, children) | "leaf" | "none"
+
+
+def _sorted_keys(mapping: Mapping) -> list:
+    keys = list(mapping.keys())
+    try:
+        return sorted(keys)
+    except TypeError:
+        return keys
+
+
+def flatten(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[list[tuple], list, TreeDef]:
+    """Returns (paths, leaves, treedef); a path is a tuple of keys and indices."""
+    paths: list[tuple] = []
+    leaves: list = []
+
+    def walk(node: Any, path: tuple) -> TreeDef:
+        if is_leaf is not None and is_leaf(node):
+            paths.append(path)
+            leaves.append(node)
+            return "leaf"
+        if node is None:
+            return "none"
+        if isinstance(node, Mapping):
+            keys = _sorted_keys(node)
+            return ("dict", tuple(keys), tuple(walk(node[k], path + (k,)) for k in keys))
+        if isinstance(node, tuple) and hasattr(node, "_fields"):
+            return ("namedtuple", type(node), tuple(walk(v, path + (f,)) for f, v in zip(node._fields, node, strict=True)))
+        if isinstance(node, (list, tuple)):
+            kind = "list" if isinstance(node, list) else "tuple"
+            return (kind, len(node), tuple(walk(v, path + (i,)) for i, v in enumerate(node)))
+        paths.append(path)
+        leaves.append(node)
+        return "leaf"
+
+    treedef = walk(tree, ())
+    return paths, leaves, treedef
+
+
+def unflatten(treedef: TreeDef, leaves: list) -> Any:
+    it = iter(leaves)
+
+    def build(td: TreeDef) -> Any:
+        if td == "leaf":
+            return next(it)
+        if td == "none":
+            return None
+        kind, meta, children = td
+        values = [build(c) for c in children]
+        if kind == "dict":
+            return dict(zip(meta, values, strict=True))
+        if kind == "namedtuple":
+            return meta(*values)
+        return values if kind == "list" else tuple(values)
+
+    return build(treedef)
+
+
+def path_str(path: tuple) -> str:
+    """'layers/0/attn/q_proj' for ('layers', 0, 'attn', 'q_proj'); '' for the root."""
+    return "/".join(str(k) for k in path)
+
+
+def describe(treedef: TreeDef, depth: int = 0) -> str:
+    """A short readable rendering of a tree structure, for error messages."""
+    if treedef in ("leaf", "none"):
+        return "*" if treedef == "leaf" else "None"
+    kind, meta, children = treedef
+    if depth > 1:
+        return f"{kind}(...)"
+    if kind == "dict":
+        inner = ", ".join(f"{k!r}: {describe(c, depth + 1)}" for k, c in zip(meta, children, strict=True))
+        return "{" + inner + "}"
+    inner = ", ".join(describe(c, depth + 1) for c in children)
+    return ("[" + inner + "]") if kind == "list" else ("(" + inner + ")")
