@@ -53,7 +53,10 @@ def itemsize_of(dtype: str | None) -> int:
 
 
 def _is_partition_spec(spec: Any) -> bool:
-    return type(spec).__name__ == "PartitionSpec"
+    # jax.sharding.PartitionSpec (class `jax.P` in recent releases) is no longer a
+    # tuple subclass; recognise it without importing jax.
+    cls = type(spec)
+    return cls.__name__ in ("PartitionSpec", "P") and cls.__module__.split(".")[0] == "jax"
 
 
 def _parse_spec(spec: Any, mesh: Mesh, rank: int) -> tuple[tuple[str, ...], ...]:

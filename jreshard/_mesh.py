@@ -43,6 +43,8 @@ def _parse_devices(devices: Any) -> np.ndarray:
         raise TypeError(
             f"devices must be a rectangular array of integer device ids, got {devices!r}"
         ) from exc
+    if array.size == 0:
+        raise ValueError(f"devices must hold at least one device id, got shape {array.shape}.")
     if array.dtype == object:
         flat = array.reshape(-1)
         for item in flat:
@@ -59,8 +61,6 @@ def _parse_devices(devices: Any) -> np.ndarray:
             "pass ids such as [[0, 1], [2, 3]]."
         )
     array = array.astype(np.int64)
-    if array.size == 0:
-        raise ValueError(f"devices must hold at least one device id, got shape {array.shape}.")
     if (array < 0).any():
         raise ValueError(
             f"devices must be non-negative ids, got {int(array.min())} in {array.tolist()!r}."

@@ -492,17 +492,18 @@ def _plan_leaves(leaves: list[tuple[Layout, Layout, int]], balance: bool = True)
         hi = np.tile(pieces.hi, (T, 1))
         t, s, d = tcol, psrc, pdst
         if gi in splits:
-            # Each split shrinks an existing row (the last shrink wins) and adds the cut as a new row.
+            # Split rows: an original row shrinks in place, a split-off part is a new row.
             lo, hi = lo.copy(), hi.copy()
-            extra = splits[gi]
-            for row, _cut_lo, _cut_hi, _src, shrunk_lo, shrunk_hi in extra:
-                lo[row], hi[row] = shrunk_lo, shrunk_hi
+            grown = [e for e in splits[gi] if e[4]]
+            for row, new_lo, new_hi, _src, is_new in splits[gi]:
+                if not is_new:
+                    lo[row], hi[row] = new_lo, new_hi
             rank = lo.shape[1]
-            t = np.concatenate([t, np.array([t[e[0]] for e in extra], np.int64)])
-            s = np.concatenate([s, np.array([e[3] for e in extra], np.int64)])
-            d = np.concatenate([d, np.array([d[e[0]] for e in extra], np.int64)])
-            lo = np.concatenate([lo, np.array([e[1] for e in extra], np.int64).reshape(-1, rank)])
-            hi = np.concatenate([hi, np.array([e[2] for e in extra], np.int64).reshape(-1, rank)])
+            t = np.concatenate([t, np.array([t[e[0]] for e in grown], np.int64)])
+            s = np.concatenate([s, np.array([e[3] for e in grown], np.int64)])
+            d = np.concatenate([d, np.array([d[e[0]] for e in grown], np.int64)])
+            lo = np.concatenate([lo, np.array([e[1] for e in grown], np.int64).reshape(-1, rank)])
+            hi = np.concatenate([hi, np.array([e[2] for e in grown], np.int64).reshape(-1, rank)])
         vol = np.prod(hi - lo, axis=1, dtype=np.int64) if lo.shape[1] else np.ones(len(t), np.int64)
         keep = vol > 0
         t, s, d, lo, hi, vol = t[keep], s[keep], d[keep], lo[keep], hi[keep], vol[keep]
@@ -558,7 +559,7 @@ def _balance(staged, choice, fixed_src, fixed_bytes, balance: bool):
         R = len(members)
         if not balance:
             chosen[rows] = members[0]
-            np.add.at(load, members[0], nbytes[rows])
+            load[members[0]] += nbytes[rows].sum()
             continue
         # Longest-processing-time in chunks of R rows: each chunk's largest row goes
         # to the least loaded member, and so on.
@@ -569,36 +570,44 @@ def _balance(staged, choice, fixed_src, fixed_bytes, balance: bool):
             load[targets] += nbytes[chunk]
 
     splits: dict[int, list] = {}
+    n_orig = len(blk)
     if balance:
-        _refine(staged, choice, blk, brow, cand, nbytes, chosen, load, splits)
-    assigned = []
-    for b in range(len(choice)):
-        assigned.append(all_ids[chosen[blk == b]])
-    # Split rows: translate dense sender ids back to device ids.
-    for gi, entries in splits.items():
-        splits[gi] = [(row, lo, hi, int(all_ids[s]), olo, ohi) for row, lo, hi, s, olo, ohi in entries]
+        blk, brow, cand, nbytes, chosen, boxes = _refine(staged, choice, blk, brow, cand, nbytes, chosen, load)
+        # Shrunk original rows keep their sender; split-off rows are new rows.
+        for r, (lo, hi) in boxes.items():
+            gi, rows, _, _ = choice[int(blk[r])]
+            grow = int(rows[brow[r]])
+            splits.setdefault(gi, []).append((grow, lo, hi, int(all_ids[chosen[r]]), r >= n_orig))
+    assigned = [all_ids[chosen[:n_orig][blk[:n_orig] == b]] for b in range(len(choice))]
     return assigned, splits
 
 
-def _refine(staged, choice, blk, brow, cand, nbytes, chosen, load, splits, max_rounds: int | None = None) -> None:
-    """Moves or splits rows off the most loaded sender while that lowers the maximum."""
+def _refine(staged, choice, blk, brow, cand, nbytes, chosen, load, max_rounds: int | None = None):
+    """Moves or splits rows off the most loaded sender while that lowers the maximum.
+
+    Returns the (possibly grown) row table and the boxes of rows that were split:
+    row -> (lo, hi); rows past the original table are the split-off parts.
+    """
     rounds = max_rounds if max_rounds is not None else 4 * len(load) + 16
-    # Current box of each choice row (splits shrink it).
+    n = len(blk)
+    cap = n + rounds
+    blk, brow, nbytes, chosen = (np.resize(a, cap) for a in (blk, brow, nbytes, chosen))
+    cand = np.concatenate([cand, np.full((rounds, cand.shape[1]), -1, np.int64)])
     boxes: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for _ in range(rounds):
         top = int(np.argmax(load))
-        mine = np.nonzero(chosen == top)[0]
+        mine = np.nonzero(chosen[:n] == top)[0]
         if not len(mine):
-            return
+            break
         alt = cand[mine]
         valid = (alt >= 0) & (alt != top)
         if not valid.any():
-            return
+            break
         alt_load = np.where(valid, load[np.maximum(alt, 0)], np.inf)
         best = int(alt[np.unravel_index(np.argmin(alt_load), alt.shape)])
         gap = load[top] - load[best]
         if gap <= max(1.0, 1e-4 * load[top]):
-            return
+            break
         delta = gap / 2
         movable = mine[(cand[mine] == best).any(axis=1)]
         sizes = nbytes[movable]
@@ -610,34 +619,33 @@ def _refine(staged, choice, blk, brow, cand, nbytes, chosen, load, splits, max_r
             load[best] += nbytes[r]
             continue
         r = int(movable[np.argmin(sizes)])
-        b = int(blk[r])
-        gi, rows, _, _ = choice[b]
-        grow = int(rows[brow[r]])
         if r in boxes:
             lo, hi = boxes[r]
         else:
+            gi, rows, _, _ = choice[int(blk[r])]
             pieces = staged[gi][2]
-            M = len(pieces.dst_pos)
-            lo, hi = pieces.lo[grow % M].copy(), pieces.hi[grow % M].copy()
+            m = int(rows[brow[r]]) % len(pieces.dst_pos)
+            lo, hi = pieces.lo[m], pieces.hi[m]
         ext = hi - lo
         if not len(ext):
-            return
+            break
         dim = int(np.argmax(ext))
         per_row = nbytes[r] / ext[dim]
         k = int(delta // per_row)
         if k < 1:
-            return
-        # Cut the last k rows of `dim` off and send them from `best`.
-        cut_lo, cut_hi = lo.copy(), hi.copy()
+            break
+        # Cut the last k rows of `dim` off into a new row sent by `best`.
+        cut_lo, new_hi = lo.copy(), hi.copy()
         cut_lo[dim] = hi[dim] - k
-        hi = hi.copy()
-        hi[dim] -= k
-        boxes[r] = (lo, hi)
-        moved = per_row * k
-        nbytes[r] -= moved
-        load[top] -= moved
-        load[best] += moved
-        splits.setdefault(gi, []).append((grow, cut_lo, cut_hi, best, lo.copy(), hi.copy()))
+        new_hi[dim] -= k
+        boxes[r] = (lo, new_hi)
+        boxes[n] = (cut_lo, hi.copy())
+        blk[n], brow[n], cand[n], nbytes[n], chosen[n] = blk[r], brow[r], cand[r], per_row * k, best
+        nbytes[r] -= per_row * k
+        load[top] -= per_row * k
+        load[best] += per_row * k
+        n += 1
+    return blk[:n], brow[:n], cand[:n], nbytes[:n], chosen[:n], boxes
 
 
 # --------------------------------------------------------------------------- checks

@@ -1,0 +1,239 @@
+"""The planner: named cases, a seeded sweep against the NumPy oracle, balance, errors."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+import jreshard
+from jreshard import Layout, Mesh, Move, plan
+from tests._oracle import assert_exact, assert_plan_ok, expected_lower_bound, global_array
+
+
+def mesh(shape, names, first=0):
+    return Mesh(np.arange(first, first + math.prod(shape)).reshape(shape), names)
+
+
+# --------------------------------------------------------------------------- named cases
+
+M1 = mesh((4,), ("x",))
+M1B = mesh((4,), ("x",), first=4)
+M2 = mesh((2, 2), ("dp", "tp"))
+M2B = mesh((2, 2), ("dp", "tp"), first=4)
+M3 = mesh((2, 2, 2), ("dp", "fsdp", "tp"))
+M4 = mesh((2, 1, 2, 2), ("pp", "dp", "fsdp", "tp"))
+M4B = mesh((2, 2, 2, 2), ("a", "b", "c", "d"), first=16)
+
+NAMED = [
+    # (name, src layout, dst layout)
+    ("1d mesh row to column", Layout((8, 8), M1, ("x",)), Layout((8, 8), M1B, (None, "x"))),
+    ("same devices, same layout", Layout((8, 4), M2, ("dp", "tp")), Layout((8, 4), M2, ("dp", "tp"))),
+    ("same devices, transposed mesh use", Layout((8, 4), M2, ("dp", "tp")), Layout((8, 4), M2, ("tp", "dp"))),
+    ("replicated to sharded", Layout((6, 4), M2, ()), Layout((6, 4), M2B, ("tp",))),
+    ("sharded to replicated", Layout((6, 4), M2, (("dp", "tp"),)), Layout((6, 4), M2B, ())),
+    ("cross dim", Layout((8, 8), M2, ("dp", None)), Layout((8, 8), M2B, (None, "dp"))),
+    ("3d mesh multi-axis", Layout((8, 6), M3, (("dp", "fsdp"), "tp")), Layout((8, 6), M2B, ("tp", "dp"))),
+    ("4d mesh to 4d mesh", Layout((8, 8, 4), M4, (("pp", "fsdp"), "tp")), Layout((8, 8, 4), M4B, ("a", ("b", "c"), "d"))),
+    ("uneven both sides", Layout((7, 5), M1, ("x", None)), Layout((7, 5), M2B, ("tp", "dp"))),
+    ("more shards than elements", Layout((3,), M1, ("x",)), Layout((3,), M4B, (("a", "b", "c"),))),
+    ("overlapping device sets", Layout((8, 4), mesh((4,), ("x",), first=2), ("x",)), Layout((8, 4), M2, (None, "tp"))),
+    ("0-d tensor", Layout((), M2, ()), Layout((), M1B, ())),
+    ("0-d tensor colocated", Layout((), M2, ()), Layout((), M2, ())),
+    ("size-0 tensor", Layout((0, 4), M1, ("x",)), Layout((0, 4), M2B, (None, "tp"))),
+    ("rank 5", Layout((2, 3, 4, 5, 6), M3, ("dp", None, "fsdp", None, "tp")), Layout((2, 3, 4, 5, 6), M2B, (None, "tp", None, "dp"))),
+    ("fsdp to tp x dp", Layout((16, 8), M1, ("x",), "float32"), Layout((16, 8), M2B, (None, "tp"), "float32")),
+    ("replicas to replicas", Layout((8, 8), M2, (None, "tp")), Layout((8, 8), M2B, ("tp",))),
+]
+
+
+@pytest.mark.parametrize("name,src,dst", NAMED, ids=[c[0] for c in NAMED])
+def test_named_case(name, src, dst):
+    tp = plan(src, dst)
+    assert_plan_ok(tp)
+
+
+def test_identical_layout_is_all_local():
+    layout = Layout((8, 4), M2, ("dp", "tp"))
+    tp = plan(layout, layout)
+    assert all(m.is_local for m in tp.moves)
+    assert tp.stats().network_bytes == 0
+
+
+def test_fsdp_to_tp_dp_counts():
+    src = Layout((16, 8), M1, ("x",), "float32")
+    dst = Layout((16, 8), M2B, (None, "tp"), "float32")
+    s = plan(src, dst).stats()
+    # Every destination receives half the tensor, 4 devices: 2 full copies.
+    assert s.network_bytes == 2 * 16 * 8 * 4
+    assert s.naive_bytes == 4 * 16 * 8 * 4
+    assert s.moves == 16 and s.messages == 16
+    assert s.max_send_bytes == s.mean_send_bytes == 16 * 8 * 4 // 2
+
+
+def test_local_copy_preferred_over_network():
+    # Devices 0-3 hold everything (replicated); 2 and 3 also need pieces.
+    src = Layout((8,), M2, ())
+    dst = Layout((8,), mesh((4,), ("x",), first=2), ("x",))
+    tp = plan(src, dst)
+    for m in tp.moves:
+        if m.dst in (2, 3):
+            assert m.is_local
+    assert tp.stats().network_bytes == 4
+
+
+def test_moves_are_values():
+    tp = plan(Layout((4,), M1, ("x",)), Layout((4,), M1B, ()))
+    assert isinstance(tp.moves[0], Move)
+    assert len(set(tp.moves)) == len(tp.moves)
+    assert repr(tp.moves[0]).startswith("Move(")
+
+
+def test_balance_splits_a_single_box_across_replicas():
+    # One 8-row tensor on 4 replicas sent to one device: each replica sends 2 rows.
+    src = Layout((8, 4), M2, ())
+    dst = Layout((8, 4), Mesh([9], ("x",)), ())
+    tp = plan(src, dst)
+    assert_plan_ok(tp)
+    s = tp.stats()
+    assert sorted(s.send_bytes.values()) == [8, 8, 8, 8]
+    unbalanced = plan(src, dst, balance=False).stats()
+    assert unbalanced.max_send_bytes == 32 and unbalanced.network_bytes == 32
+
+
+def test_balance_across_tensors_of_a_pytree():
+    # 64 identical tensors, each replicated on 2 devices: no tensor-by-tensor split needed.
+    src = Layout((4, 4), Mesh([[0], [1]], ("dp", "tp")), ())
+    dst = Layout((4, 4), Mesh([[2, 3]], ("dp", "tp")), (None, "tp"))
+    p = plan({f"w{i}": src for i in range(64)}, {f"w{i}": dst for i in range(64)})
+    s = p.stats()
+    assert s.max_send_bytes == s.mean_send_bytes
+    assert s.moves == 128  # no splitting was needed
+    p.check()
+
+
+def test_pytree_plan_structures():
+    src = {"a": [Layout((4,), M1, ("x",)), Layout((2, 2), M1, ())], "b": {"c": Layout((), M1, ())}, "n": None}
+    dst = {"a": [Layout((4,), M1B, ()), Layout((2, 2), M1B, ("x",))], "b": {"c": Layout((), M1B, ())}, "n": None}
+    p = plan(src, dst)
+    assert list(p) == ["a/0", "a/1", "b/c"]
+    assert p["a/0"].shape == (4,) and p[("b", "c")].shape == ()
+    p.check()
+    total = sum(tp.stats().network_bytes for tp in p.tensors.values())
+    assert p.stats().network_bytes == total == p.stats().lower_bound_bytes
+    assert "Plan for 3 tensors" in str(p)
+
+
+def test_plan_cache_and_pieces_reuse():
+    jreshard.clear_cache()
+    src = Layout((8, 4), M1, ("x",))
+    dst = Layout((8, 4), M2B, (None, "tp"))
+    assert plan(src, dst) is plan(src, dst)
+    tree_src = {f"l{i}": src for i in range(10)}
+    tree_dst = {f"l{i}": dst for i in range(10)}
+    assert plan(tree_src, tree_dst) is plan(tree_src, tree_dst)
+    from jreshard._planner import _pieces
+
+    info = _pieces.cache_info()
+    assert info.currsize == 1  # ten repeated layers share one piece template
+
+
+def test_dtype_counts_bytes_and_cast_counts_destination_bytes():
+    src = Layout((8, 4), M1, ("x",), "float32")
+    dst = Layout((8, 4), M1B, (), "bfloat16")
+    tp = plan(src, dst)
+    assert tp.itemsize == 2
+    assert tp.stats().network_bytes == 4 * 32 * 2
+    assert tp.stats().unit == "bytes"
+    assert plan(Layout((8, 4), M1, ("x",)), Layout((8, 4), M1B, ())).stats().unit == "elements"
+
+
+def test_tensor_plan_printing():
+    tp = plan(Layout((8, 4), M1, ("x",), "float32"), Layout((8, 4), M2B, (None, "tp"), "float32"))
+    text = str(tp)
+    assert "send" in text and "lower bound" in text
+    assert tp.table(limit=2).count("\n") == 4  # header (2 lines), 2 moves, "more" line
+
+
+def test_check_catches_a_broken_plan():
+    tp = plan(Layout((8,), M1, ("x",)), Layout((8,), M1B, ("x",)))
+    broken = jreshard.TensorPlan(tp.src, tp.dst, 1, tp.move_src[:-1], tp.move_dst[:-1], tp.move_lo[:-1], tp.move_hi[:-1], 0, 0)
+    with pytest.raises(jreshard.PlanError, match="written 0 times"):
+        broken.check()
+    wrong_src = jreshard.TensorPlan(tp.src, tp.dst, 1, (tp.move_src + 1) % 4, tp.move_dst, tp.move_lo, tp.move_hi, 0, 0)
+    with pytest.raises(jreshard.PlanError, match="reads outside source shard"):
+        wrong_src.check()
+
+
+PLAN_ERRORS = [
+    ("shapes differ", lambda: plan(Layout((4,), M1, ()), Layout((5,), M1B, ())), ValueError, r"different shapes \(4,\) and \(5,\)"),
+    ("leaf not a layout", lambda: plan({"a": 3}, {"a": Layout((4,), M1, ())}), TypeError, r"src at 'a' must be a jreshard.Layout"),
+    ("dst leaf not a layout", lambda: plan({"a": Layout((4,), M1, ())}, {"a": "x"}), TypeError, r"dst at 'a' must be a jreshard.Layout"),
+    ("pytrees differ", lambda: plan({"a": Layout((4,), M1, ())}, {"b": Layout((4,), M1, ())}), ValueError, r"same structure"),
+    ("pytree vs leaf", lambda: plan([Layout((4,), M1, ())], Layout((4,), M1, ())), ValueError, r"same structure"),
+    ("tree shapes differ", lambda: plan({"w": Layout((4,), M1, ())}, {"w": Layout((2, 2), M1, ())}), ValueError, r"at 'w' have different shapes"),
+]
+
+
+@pytest.mark.parametrize("name,fn,exc,pattern", PLAN_ERRORS, ids=[c[0] for c in PLAN_ERRORS])
+def test_plan_bad_input(name, fn, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        fn()
+
+
+# --------------------------------------------------------------------------- systematic sweep
+
+AXIS_NAMES = ("a", "b", "c", "d")
+
+
+@st.composite
+def layouts(draw, first_device: int, shape: tuple[int, ...]):
+    """A random mesh (up to 4 axes, up to 16 devices, shuffled ids) and spec for `shape`."""
+    ndim = draw(st.integers(1, 4))
+    sizes = []
+    for _ in range(ndim):
+        left = 16 // max(1, math.prod(sizes))
+        sizes.append(draw(st.integers(1, max(1, min(4, left)))))
+    n = math.prod(sizes)
+    ids = draw(st.permutations(range(first_device, first_device + n)))
+    names = AXIS_NAMES[:ndim]
+    m = Mesh(np.array(ids).reshape(sizes), names)
+    free = list(draw(st.permutations(names)))
+    spec = []
+    for _ in range(len(shape)):
+        k = draw(st.integers(0, min(2, len(free))))
+        spec.append(tuple(free[:k]) if k != 1 else free[0])
+        free = free[k:]
+    while spec and draw(st.booleans()) and spec[-1] == ():
+        spec.pop()
+    return Layout(shape, m, tuple(s if s != () else None for s in spec))
+
+
+@st.composite
+def layout_pairs(draw):
+    rank = draw(st.integers(0, 3))
+    shape = tuple(draw(st.integers(0, 9)) for _ in range(rank))
+    overlap = draw(st.sampled_from(["disjoint", "overlap", "same"]))
+    src = draw(layouts(0, shape))
+    first = {"disjoint": 16, "overlap": draw(st.integers(0, 8)), "same": 0}[overlap]
+    dst = draw(layouts(first, shape))
+    return src, dst
+
+
+@given(layout_pairs())
+def test_sweep_against_numpy_oracle(pair):
+    src, dst = pair
+    tp = plan(src, dst)
+    assert_plan_ok(tp)
+
+
+@given(st.lists(layout_pairs(), min_size=1, max_size=5))
+def test_sweep_pytrees_balance_and_bound(pairs):
+    p = plan([s for s, _ in pairs], [d for _, d in pairs])
+    s = p.stats()
+    assert s.network_bytes == s.lower_bound_bytes == sum(expected_lower_bound(a, b, 1) for a, b in pairs)
+    for tp in p.tensors.values():
+        tp.check()
+        assert_exact(tp)
