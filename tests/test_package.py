@@ -58,3 +58,12 @@ def test_demo_runs_exact():
     out = subprocess.run([sys.executable, "-m", "jreshard", "demo"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "bit-exact: True" in out.stdout
+
+
+def test_readme_examples():
+    from pathlib import Path
+
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    result = doctest.testfile(str(readme), module_relative=False, optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
+    assert result.attempted > 0
+    assert result.failed == 0
