@@ -1,0 +1,300 @@
+"""jreshard.viz: every figure shows what the plan says (checked through the artists' gids)."""
+
+from __future__ import annotations
+
+import doctest
+import io
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+pytest.importorskip("matplotlib", reason="jreshard.viz needs the viz extra (matplotlib)")
+
+import jreshard  # noqa: E402
+import jreshard.viz as viz  # noqa: E402
+from jreshard import Layout, Mesh  # noqa: E402
+
+TRAIN = Mesh([0, 1, 2, 3], ("fsdp",))
+SERVE = Mesh([[4, 5], [6, 7]], ("dp", "tp"))
+SHARED = Mesh([[0, 1, 2, 3], [4, 5, 6, 7]], ("dp", "tp"))
+
+LAYOUTS = [
+    ("rows", Layout((12, 10), TRAIN, ("fsdp",), dtype="float32")),
+    ("replicated-columns", Layout((12, 10), SERVE, (None, "tp"), dtype="bfloat16")),
+    ("both-dims", Layout((8, 8), SERVE, ("dp", "tp"))),
+    ("two-axes-one-dim", Layout((16, 4), SERVE, (("dp", "tp"),))),
+    ("uneven-with-empty", Layout((3, 5), TRAIN, ("fsdp",))),
+    ("vector", Layout((10,), SERVE, ("tp",))),
+    ("scalar", Layout((), SERVE, ())),
+    ("fully-replicated", Layout((4, 4), SERVE, ())),
+]
+
+
+def gids(ax, prefix):
+    return [a for a in [*ax.patches, *ax.lines] if (a.get_gid() or "").startswith(prefix)]
+
+
+def png_bytes(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=40)
+    return buf.getvalue()
+
+
+def box_xywh(layout, box):
+    if layout.rank == 2:
+        rows, cols = box
+    elif layout.rank == 1:
+        rows, cols = slice(0, 1), box[0]
+    else:
+        rows, cols = slice(0, 1), slice(0, 1)
+    return (cols.start, rows.start, cols.stop - cols.start, rows.stop - rows.start)
+
+
+@pytest.mark.parametrize("name,layout", LAYOUTS, ids=[c[0] for c in LAYOUTS])
+def test_draw_layout_draws_each_shard_once_with_its_replicas(name, layout):
+    fig = viz.draw_layout(layout)
+    ax = fig.axes[0]
+    want = {}
+    for group in layout.replica_groups():
+        box = layout.shard_box(group[0])
+        x, y, w, h = box_xywh(layout, box)
+        if w > 0 and h > 0:
+            want["shard:" + ",".join(map(str, group))] = (x, y, w, h)
+    got = {p.get_gid(): (p.get_x(), p.get_y(), p.get_width(), p.get_height()) for p in gids(ax, "shard:")}
+    assert got == want
+    chips = sorted(int(p.get_gid().split(":")[1]) for p in gids(ax, "replica:"))
+    want_chips = sorted(d for g in layout.replica_groups() if len(g) > 1 and f"shard:{','.join(map(str, g))}" in want for d in g)
+    assert chips == want_chips
+    # The boxes tile the tensor: their areas add up to the global size.
+    assert sum(w * h for _, _, w, h in got.values()) == max(layout.size, 1)
+    assert png_bytes(fig).startswith(b"\x89PNG")
+
+
+def test_draw_layout_labels_and_shared_colors():
+    layout = LAYOUTS[1][1]
+    colors = viz.device_colors(range(8))
+    fig = viz.draw_layout(layout, colors=colors)
+    ax = fig.axes[0]
+    assert sorted(t.get_text() for t in ax.texts) == ["4, 6", "5, 7"]
+    shard = {p.get_gid(): p for p in gids(ax, "shard:")}
+    assert shard["shard:4,6"].get_facecolor()[:3] == pytest.approx(colors[4][:3])
+    assert "2 replicas per shard" in ax.get_title()
+    assert len(viz.draw_layout(layout, labels=False).axes[0].texts) == 0
+
+
+def test_device_colors_are_distinct():
+    for n in (4, 20, 64):
+        colors = viz.device_colors(range(100, 100 + n))
+        assert len({c for c in colors.values()}) == n
+
+
+def test_draw_plan_flows_match_the_moves():
+    tp = jreshard.plan(Layout((12, 10), SHARED, ("dp", None), dtype="float32"),
+                       Layout((12, 10), SHARED, (None, "tp"), dtype="float32"))
+    fig = viz.draw_plan(tp)
+    assert len(fig.axes) == 3
+    pairs = {}
+    for m in tp.moves:
+        pairs[(m.src, m.dst)] = pairs.get((m.src, m.dst), 0) + m.size * tp.itemsize
+    network = {f"flow:{s}->{d}": b for (s, d), b in pairs.items() if s != d}
+    local = {f"local:{s}" for (s, d) in pairs if s == d}
+    flows = {ln.get_gid(): ln for ln in gids(fig.axes[1], "flow:")}
+    assert set(flows) == set(network)
+    assert {ln.get_gid() for ln in gids(fig.axes[1], "local:")} == local
+    assert len(local) > 0
+    # Thicker lines carry more bytes.
+    order = sorted(network, key=network.get)
+    widths = [flows[g].get_linewidth() for g in order]
+    assert widths == sorted(widths)
+    assert f"{tp.stats().moves} network moves" in fig.get_suptitle()
+    firsts = {g[0] for g in tp.dst.replica_groups()}
+    assert len(gids(fig.axes[2], "piece:")) == sum(1 for m in tp.moves if m.dst in firsts and m.size)
+    assert png_bytes(fig).startswith(b"\x89PNG")
+
+
+def small_pytree_plan():
+    src = {"a": Layout((16, 8), TRAIN, ("fsdp",), dtype="bfloat16"),
+           "b": Layout((8,), SERVE, (), dtype="float32"),
+           "c": Layout((6, 6), SHARED, ("dp", "tp"), dtype="float32")}
+    dst = {"a": Layout((16, 8), SHARED, (None, "tp"), dtype="bfloat16"),
+           "b": Layout((8,), SHARED, ("tp",), dtype="float32"),
+           "c": Layout((6, 6), SERVE, (None, "dp"), dtype="float32")}
+    return jreshard.plan(src, dst)
+
+
+def test_traffic_matrix_agrees_with_moves_and_stats():
+    p = small_pytree_plan()
+    devices, matrix = viz.traffic_matrix(p)
+    assert devices == tuple(range(8))
+    want = np.zeros((8, 8), np.int64)
+    local = np.zeros(8, np.int64)
+    for tp in p.tensors.values():
+        for m in tp.moves:
+            if m.is_local:
+                local[m.src] += m.size * tp.itemsize
+            else:
+                want[m.src, m.dst] += m.size * tp.itemsize
+    np.testing.assert_array_equal(matrix, want)
+    s = p.stats()
+    assert matrix.sum() == s.network_bytes
+    assert {d: int(v) for d, v in enumerate(matrix.sum(axis=1)) if v} == s.send_bytes
+    assert {d: int(v) for d, v in enumerate(matrix.sum(axis=0)) if v} == s.recv_bytes
+    _, with_local = viz.traffic_matrix(p, include_local=True)
+    np.testing.assert_array_equal(np.diag(with_local), local)
+    assert local.sum() == s.local_bytes > 0
+
+
+def test_traffic_matrix_of_one_tensor_plan_with_sparse_device_ids():
+    a = Layout((8, 4), Mesh([10, 30], "x"), ("x",), dtype="int8")
+    b = Layout((8, 4), Mesh([[7], [200]], ("x", "y")), (None, "x"))
+    devices, matrix = viz.traffic_matrix(jreshard.plan(a, b))
+    assert devices == (7, 10, 30, 200)
+    assert matrix[1, 0] == matrix[1, 3] == matrix[2, 0] == matrix[2, 3] == 8
+    assert matrix.sum() == 32
+
+
+def test_draw_traffic_shows_the_matrix_and_domains():
+    p = small_pytree_plan()
+    _, matrix = viz.traffic_matrix(p)
+    fig = viz.draw_traffic(p, domain_size=4)
+    ax = fig.axes[0]
+    shown = ax.images[0].get_array()
+    np.testing.assert_array_equal(shown.filled(0), matrix)
+    assert shown.mask.sum() == (matrix == 0).sum()
+    assert sorted(p.get_gid() for p in gids(ax, "domain:")) == ["domain:0", "domain:1"]
+    crossing = matrix[:4, 4:].sum() + matrix[4:, :4].sum()
+    assert f"{crossing / matrix.sum():.0%} of bytes cross domains" in ax.get_title()
+    assert gids(viz.draw_traffic(p).axes[0], "domain:") == []
+    # A topology object or mapping gives the domain size too.
+    fig2 = viz.draw_traffic(p, topology={"gpus_per_domain": 2})
+    assert len(gids(fig2.axes[0], "domain:")) == 4
+    assert png_bytes(fig).startswith(b"\x89PNG")
+
+
+def test_draw_traffic_from_a_matrix():
+    m = np.array([[0, 5, 0], [1, 0, 0], [0, 0, 0]])
+    fig = viz.draw_traffic(m, devices=[8, 9, 16], domain_size=8, log=False)
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["8", "9", "16"]
+    assert sorted(p.get_gid() for p in gids(ax, "domain:")) == ["domain:1", "domain:2"]
+    assert "0% of bytes cross" in ax.get_title()
+    viz.draw_traffic(np.zeros((2, 2)))  # nothing moves: still draws
+
+
+def test_draw_load_bars_and_means():
+    p = small_pytree_plan()
+    s = p.stats()
+    for source in (p, s):
+        fig = viz.draw_load(source)
+        send_ax, recv_ax = fig.axes
+        assert {int(b.get_gid()[5:]): b.get_height() for b in gids(send_ax, "send:")} == s.send_bytes
+        assert {int(b.get_gid()[5:]): b.get_height() for b in gids(recv_ax, "recv:")} == s.recv_bytes
+        (mean,) = gids(send_ax, "mean:send")
+        assert mean.get_ydata()[0] == pytest.approx(s.mean_send_bytes)
+        (mean,) = gids(recv_ax, "mean:recv")
+        assert mean.get_ydata()[0] == pytest.approx(s.mean_recv_bytes)
+        assert f"send max/mean {s.send_imbalance:.3f}" in fig.get_suptitle()
+    assert png_bytes(fig).startswith(b"\x89PNG")
+    one = viz.draw_load(p["a"])
+    assert {int(b.get_gid()[5:]): b.get_height() for b in gids(one.axes[0], "send:")} == p["a"].stats().send_bytes
+
+
+def test_draw_comparison_bars_and_ratios():
+    nbytes = {"jreshard": 2 << 30, "flat direct sends": 2 << 30, "gather-then-broadcast": 14 << 30}
+    seconds = {"jreshard": 0.5, "flat direct sends": 1.25, "gather-then-broadcast": 4.0}
+    fig = viz.draw_comparison(nbytes, seconds)
+    left, right = fig.axes
+    assert {b.get_gid(): b.get_width() for b in gids(left, "bytes:")} == {f"bytes:{k}": v for k, v in nbytes.items()}
+    assert {b.get_gid(): b.get_width() for b in gids(right, "seconds:")} == {f"seconds:{k}": v for k, v in seconds.items()}
+    texts = [t.get_text() for t in left.texts]
+    assert texts == ["2.00 GiB (1.00x)", "2.00 GiB (1.00x)", "14.00 GiB (7.00x)"]
+    assert [t.get_text() for t in right.texts][2] == "4.00 s (8.00x)"
+    only_bytes = viz.draw_comparison(nbytes, baseline="gather-then-broadcast")
+    assert len(only_bytes.axes) == 1
+    assert only_bytes.axes[0].texts[0].get_text().endswith("(0.14x)")
+    assert png_bytes(fig).startswith(b"\x89PNG")
+
+
+def test_draw_sweep_lines():
+    x = [1, 2, 4, 8]
+    nbytes = {"jreshard": [1e9, 2e9, 3e9, 4e9], "gather-then-broadcast": [8e9, 8e9, 8e9, 8e9]}
+    seconds = {"jreshard": [0.1, 0.2, 0.3, 0.4], "gather-then-broadcast": [1.0, 1.0, 1.0, 1.0]}
+    fig = viz.draw_sweep(x, nbytes, seconds, xlabel="inference TP")
+    left, right = fig.axes
+    lines = {ln.get_gid(): list(ln.get_ydata()) for ln in gids(left, "bytes:")}
+    assert lines == {f"bytes:{k}": v for k, v in nbytes.items()}
+    assert [t.get_text() for t in left.get_xticklabels()] == ["1", "2", "4", "8"]
+    assert right.get_yscale() == "log"
+    assert {ln.get_gid() for ln in gids(right, "seconds:")} == {"seconds:jreshard", "seconds:gather-then-broadcast"}
+    assert png_bytes(fig).startswith(b"\x89PNG")
+
+
+BIG = Layout((2, 2, 2), SERVE, ())
+ERRORS = [
+    ("layout-not-layout", lambda: viz.draw_layout((4, 4)), TypeError, r"layout must be a jreshard.Layout, got tuple"),
+    ("layout-rank-3", lambda: viz.draw_layout(BIG), ValueError, r"shape \(2, 2, 2\) \(rank 3\)"),
+    ("plan-of-a-pytree", lambda: viz.draw_plan(small_pytree_plan()), TypeError, r"pass plan\[path\] for one of \['a', 'b', 'c'\]"),
+    ("plan-not-plan", lambda: viz.draw_plan("moves"), TypeError, r"tplan must be a jreshard.TensorPlan, got str"),
+    ("plan-rank-3", lambda: viz.draw_plan(jreshard.plan(BIG, BIG)), ValueError, r"tplan.src has shape \(2, 2, 2\)"),
+    ("traffic-not-plan", lambda: viz.traffic_matrix({"a": 1}), TypeError, r"plan must be a jreshard.Plan or TensorPlan, got dict"),
+    ("draw-traffic-bad", lambda: viz.draw_traffic("x"), TypeError, r"plan must be a jreshard.Plan, TensorPlan or a square matrix"),
+    ("traffic-not-square", lambda: viz.draw_traffic(np.zeros((2, 3))), ValueError, r"must be square, got shape \(2, 3\)"),
+    ("traffic-negative", lambda: viz.draw_traffic(-np.ones((2, 2))), ValueError, r"finite, non-negative"),
+    ("traffic-devices", lambda: viz.draw_traffic(np.ones((2, 2)), devices=[1]), ValueError, r"devices has 1 ids but the matrix has 2"),
+    ("domain-size-zero", lambda: viz.draw_traffic(np.ones((2, 2)), domain_size=0), ValueError, r"domain_size must be a positive int .*got 0"),
+    ("domain-both", lambda: viz.draw_traffic(np.ones((2, 2)), domain_size=2, topology={"gpus_per_domain": 2}), ValueError, r"either domain_size or topology"),
+    ("topology-without-size", lambda: viz.draw_traffic(np.ones((2, 2)), topology=object()), TypeError, r"topology must have a 'gpus_per_domain'"),
+    ("load-not-plan", lambda: viz.draw_load([1, 2]), TypeError, r"plan must be a jreshard.Plan, TensorPlan or PlanStats, got list"),
+    ("comparison-empty", lambda: viz.draw_comparison({}), TypeError, r"bytes_by_method must be a non-empty mapping"),
+    ("comparison-string", lambda: viz.draw_comparison({"a": "1 GB"}), TypeError, r"bytes_by_method\['a'\] must be a number, got str"),
+    ("comparison-negative", lambda: viz.draw_comparison({"a": -1}), ValueError, r"bytes_by_method\['a'\] must be finite and non-negative, got -1"),
+    ("comparison-nan", lambda: viz.draw_comparison({"a": 1}, {"a": float("nan")}), ValueError, r"seconds_by_method\['a'\] must be finite"),
+    ("comparison-methods", lambda: viz.draw_comparison({"a": 1}, {"b": 1}), ValueError, r"seconds_by_method names \['b'\] but bytes_by_method names \['a'\]"),
+    ("comparison-baseline", lambda: viz.draw_comparison({"a": 1}, baseline="z"), ValueError, r"baseline 'z' is not one of the methods \['a'\]"),
+    ("sweep-empty-x", lambda: viz.draw_sweep([], {"a": []}), ValueError, r"x must hold at least one setting"),
+    ("sweep-length", lambda: viz.draw_sweep([1, 2], {"a": [1]}), ValueError, r"bytes_by_method\['a'\] has 1 values but x has 2"),
+    ("sweep-not-mapping", lambda: viz.draw_sweep([1], [1]), TypeError, r"bytes_by_method must be a non-empty mapping"),
+]
+
+
+@pytest.mark.parametrize("name,fn,exc,pattern", ERRORS, ids=[c[0] for c in ERRORS])
+def test_bad_input(name, fn, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        fn()
+
+
+def test_docstring_examples():
+    result = doctest.testmod(viz, optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
+    assert result.attempted > 0
+    assert result.failed == 0
+
+
+def test_headless_without_pyplot_and_not_imported_by_the_core():
+    code = textwrap.dedent(
+        """
+        import sys
+        import jreshard
+        assert 'matplotlib' not in sys.modules, 'import jreshard loaded matplotlib'
+        import jreshard.viz as viz
+        from jreshard import Layout, Mesh
+        tp = jreshard.plan(Layout((4, 4), Mesh([0, 1], 'x'), ('x',)), Layout((4, 4), Mesh([2, 3], 'x'), (None, 'x')))
+        figs = [viz.draw_layout(tp.src), viz.draw_plan(tp), viz.draw_traffic(tp), viz.draw_load(tp),
+                viz.draw_comparison({'a': 1.0}), viz.draw_sweep([1], {'a': [1.0]})]
+        for fig in figs:
+            fig.savefig(sys.argv[1], format='png')
+        assert 'matplotlib.pyplot' not in sys.modules, 'viz used pyplot'
+        print('ok', len(figs))
+        """
+    )
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "MPLBACKEND": "Agg", "DISPLAY": ""}
+        out = subprocess.run([sys.executable, "-W", "error", "-c", code, os.path.join(tmp, "f.png")],
+                             capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "ok 6"
