@@ -39,11 +39,12 @@ __all__ = [
     "plan",
     "plan_layouts",
     "reference",
+    "transfer",
 ]
 
 # Names served by optional layers, imported on first use so that `import jreshard`
 # works on machines without jax (a torch-only inference server plans with it too).
-_LAZY: dict[str, str] = {}
+_LAZY: dict[str, str] = {"transfer": "jreshard._transfer"}
 
 
 def __getattr__(name: str) -> Any:

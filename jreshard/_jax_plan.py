@@ -1,0 +1,241 @@
+"""The JAX adapter: jax Arrays, ShapeDtypeStructs, Shardings and PartitionSpecs in, Layouts and Plans out.
+
+Everything that touches jax objects at the edge of the library lives here: the
+arguments of ``jreshard.plan`` and ``jreshard.transfer`` are parsed once into one
+canonical form (a flat list of leaves with their path names, source Layouts,
+target shardings, destination Layouts and output dtypes) that the pure planner and
+the executor consume.
+
+Vocabulary: a *leaf* is one array of the user's pytree, its *path* the
+``'layers/0/wq'``-style name the plan uses for it, its *target* the
+``jax.sharding.Sharding`` it must end up with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec, Sharding
+
+from jreshard._layout import Layout, canonical_dtype
+from jreshard._mesh import Mesh
+from jreshard._planner import Plan, plan_layouts
+
+__all__ = ["Leaves", "parse", "plan_from_jax", "path_name"]
+
+
+def path_name(path: tuple) -> str:
+    """``'layers/0/wq'`` for a jax key path (dict keys, sequence indices, attributes)."""
+    parts = []
+    for k in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Leaves:
+    """The canonical form of (params, target, dtype): one entry per leaf, in tree order."""
+
+    treedef: Any  # jax treedef of params
+    names: tuple[str, ...]
+    values: tuple[Any, ...]  # the leaves as given (jax.Array or ShapeDtypeStruct)
+    shardings: tuple[Sharding, ...]  # target shardings
+    dtypes: tuple[np.dtype, ...]  # output dtypes
+    src: tuple[Layout, ...]
+    dst: tuple[Layout, ...]
+
+    def plan(self, balance: bool = True) -> Plan:
+        return plan_layouts(list(zip(self.names, self.src, self.dst, strict=True)), balance=balance)
+
+
+def _is_jax_leaf(x: Any) -> bool:
+    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
+
+
+def _is_target_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, (Sharding, PartitionSpec))
+
+
+def _is_dtype_leaf(x: Any) -> bool:
+    if x is None or isinstance(x, (str, np.dtype)):
+        return True
+    try:
+        np.dtype(x)
+        return True
+    except TypeError:
+        return False
+
+
+def _broadcast(prefix: Any, treedef: Any, names: tuple[str, ...], is_leaf: Any, arg: str, example: str) -> list:
+    """Expands ``prefix`` (a pytree prefix of params) to one value per leaf of params."""
+    if is_leaf(prefix):
+        return [prefix] * treedef.num_leaves
+    full = jax.tree_util.tree_unflatten(treedef, list(range(treedef.num_leaves)))
+    try:
+        expanded = jax.tree_util.tree_map(
+            lambda value, sub: jax.tree_util.tree_map(lambda _: value, sub), prefix, full, is_leaf=is_leaf)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(
+            f"{arg} must be {example} or a pytree prefix of params; its structure "
+            f"{jax.tree_util.tree_structure(prefix, is_leaf=is_leaf)} does not match params "
+            f"{treedef} ({exc}). Give one entry per params subtree."
+        ) from None
+    out = jax.tree_util.tree_leaves(expanded, is_leaf=is_leaf)
+    if len(out) != len(names):
+        raise ValueError(
+            f"{arg} expands to {len(out)} entries but params has {len(names)} leaves; "
+            f"give {example} or a pytree prefix of params."
+        )
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _mesh_of(jax_mesh: Any) -> Mesh:
+    return Mesh.from_jax(jax_mesh)
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout(shape: tuple[int, ...], sharding: Sharding, dtype: str) -> Layout:
+    if isinstance(sharding, NamedSharding):
+        return Layout(shape, _mesh_of(sharding.mesh), tuple(sharding.spec), dtype)
+    return Layout.from_jax(shape, sharding, dtype)
+
+
+def _np_dtype(name: str) -> np.dtype:
+    try:
+        return np.dtype(name)
+    except TypeError:
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, name))
+
+
+def _jax_mesh(mesh: Any) -> jax.sharding.Mesh:
+    """``mesh=`` as a jax Mesh: a jax Mesh as is, a jreshard.Mesh looked up by device id."""
+    if isinstance(mesh, jax.sharding.Mesh):
+        return mesh
+    if isinstance(mesh, Mesh):
+        by_id = {d.id: d for d in jax.devices()}
+        missing = [i for i in mesh.device_ids if i not in by_id]
+        if missing:
+            raise ValueError(
+                f"mesh {mesh!r} names devices {missing} that jax does not have; its devices are "
+                f"{sorted(by_id)}. Build the mesh from jax.devices()."
+            )
+        devices = np.array([by_id[i] for i in mesh.device_ids], dtype=object).reshape(mesh.shape)
+        return jax.sharding.Mesh(devices, mesh.axis_names)
+    raise TypeError(
+        f"mesh must be a jax.sharding.Mesh or a jreshard.Mesh, got {type(mesh).__name__} {mesh!r}."
+    )
+
+
+def _target_sharding(name: str, value: Any, mesh: jax.sharding.Mesh | None) -> Sharding:
+    where = f" at {name!r}" if name else ""
+    if isinstance(value, Sharding):
+        if mesh is not None:
+            raise TypeError(
+                f"target{where} is a Sharding ({value}), which carries its own mesh, but mesh= was also "
+                "given; pass mesh= only with PartitionSpec targets."
+            )
+        return value
+    if isinstance(value, PartitionSpec):
+        if mesh is None:
+            raise TypeError(
+                f"target{where} is a PartitionSpec {value} but no mesh= was given; pass "
+                "mesh=jax.sharding.Mesh(...) or a NamedSharding."
+            )
+        return NamedSharding(mesh, value)
+    raise TypeError(
+        f"target{where} must be a jax.sharding.Sharding or a PartitionSpec (with mesh=), got "
+        f"{type(value).__name__} {value!r}."
+    )
+
+
+def parse(params: Any, target: Any, *, mesh: Any = None, dtype: Any = None, need_data: bool = False) -> Leaves:
+    """Parses the arguments of ``transfer`` / ``plan`` into their canonical form.
+
+    Raises:
+      TypeError: a leaf is not a jax Array (or ShapeDtypeStruct with a sharding),
+        or a target / dtype entry has the wrong kind.
+      ValueError: the target or dtype pytree does not fit params, a target does not
+        fit its array's rank or shape, or a mesh names devices jax lacks.
+    """
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    if not flat:
+        raise ValueError(f"params is an empty pytree ({treedef}); pass at least one jax.Array.")
+    names = tuple(path_name(p) for p, _ in flat)
+    if len(set(names)) != len(names):
+        names = tuple(jax.tree_util.keystr(p) for p, _ in flat)
+    values = tuple(v for _, v in flat)
+    for name, v in zip(names, values, strict=True):
+        where = f" at {name!r}" if name else ""
+        if not _is_jax_leaf(v) or (need_data and not isinstance(v, jax.Array)):
+            kinds = "jax.Array" if need_data else "jax.Array or jax.ShapeDtypeStruct with a sharding"
+            raise TypeError(
+                f"params leaf{where} must be a {kinds}, got {type(v).__name__}; "
+                "put it on devices first with jax.device_put(x, sharding)."
+            )
+        if getattr(v, "sharding", None) is None:
+            raise TypeError(
+                f"params leaf{where} is a ShapeDtypeStruct without a sharding; build it with "
+                "jax.ShapeDtypeStruct(shape, dtype, sharding=...)."
+            )
+        if isinstance(v, jax.Array) and v.is_deleted():
+            raise ValueError(
+                f"params leaf{where} has been deleted (donated by an earlier call?); pass live arrays."
+            )
+    jmesh = _jax_mesh(mesh) if mesh is not None else None
+    targets = _broadcast(target, treedef, names, _is_target_leaf, "target",
+                         "a Sharding, a PartitionSpec (with mesh=)")
+    shardings = tuple(_target_sharding(n, t, jmesh) for n, t in zip(names, targets, strict=True))
+    dts = _broadcast(dtype, treedef, names, _is_dtype_leaf, "dtype", "a dtype")
+    out_dtypes = []
+    for name, v, dt in zip(names, values, dts, strict=True):
+        where = f" at {name!r}" if name else ""
+        out_dtypes.append(np.dtype(v.dtype) if dt is None else _np_dtype(canonical_dtype(dt, arg=f"dtype{where}")))
+    src, dst = [], []
+    for name, v, s, dt in zip(names, values, shardings, out_dtypes, strict=True):
+        where = f" at {name!r}" if name else ""
+        shape = tuple(int(n) for n in v.shape)
+        try:
+            src.append(_layout(shape, v.sharding, canonical_dtype(v.dtype)))
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"params leaf{where} has a sharding jreshard cannot read: {exc}") from None
+        try:
+            s.shard_shape(shape)
+        except Exception as exc:  # jax raises its own IndivisibleError / ValueError
+            raise ValueError(
+                f"target{where} {s} does not fit the array of shape {shape}: {exc}. "
+                "Pick a spec with at most one entry per dim whose mesh axes divide the dims."
+            ) from None
+        try:
+            dst.append(_layout(shape, s, canonical_dtype(dt)))
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"target{where} does not fit the array of shape {shape}: {exc}") from None
+    return Leaves(treedef, names, values, shardings, tuple(out_dtypes), tuple(src), tuple(dst))
+
+
+def plan_from_jax(src: Any, dst: Any, *, balance: bool = True, mesh: Any = None, dtype: Any = None) -> Plan:
+    """``jreshard.plan`` for jax arguments: a pytree of jax Arrays or ShapeDtypeStructs and a target.
+
+    Args:
+      src: a pytree of ``jax.Array`` or ``jax.ShapeDtypeStruct`` (with a sharding).
+      dst: a ``Sharding`` for every leaf, a pytree prefix of Shardings, or
+        PartitionSpec(s) together with ``mesh``.
+      balance: balance replicated senders (see ``jreshard.plan``).
+      mesh: the mesh for PartitionSpec targets.
+      dtype: output dtype (or pytree prefix of dtypes); only the cast bytes move.
+
+    Returns:
+      A ``Plan`` keyed by leaf path (``'layers/0/wq'``), which ``transfer(..., plan=)`` accepts.
+    """
+    return parse(src, dst, mesh=mesh, dtype=dtype).plan(balance)
