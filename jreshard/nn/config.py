@@ -1,0 +1,148 @@
+"""Llama/Qwen3-style model configuration and parameter shapes (pure: no jax, no torch).
+
+Vocabulary: a *leaf path* is the '/'-joined key path of a parameter in the flax
+``params`` tree (``'layers_0/attn/q_proj/kernel'``); a *kernel* is a flax
+``Dense`` weight, laid out ``[in, out]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import numbers
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+__all__ = ["LlamaConfig", "param_shapes", "fsdp_spec"]
+
+_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "head_dim")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LlamaConfig:
+    """Hyperparameters of a decoder-only Llama (``qk_norm=True``: Qwen3-style) model.
+
+    Example:
+      >>> cfg = LlamaConfig.load("llama-tiny")
+      >>> cfg.hidden_size, cfg.q_size, cfg.kv_size
+      (256, 256, 128)
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    tie_word_embeddings: bool = False
+    qk_norm: bool = False
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    name: str = "llama"
+
+    def __post_init__(self) -> None:
+        for f in _INT_FIELDS:
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0:
+                raise ValueError(f"LlamaConfig.{f} must be a positive int, got {v!r}.")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads} (grouped-query attention)."
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}.")
+
+    @classmethod
+    def load(cls, name_or_path: str | Path, **overrides: Any) -> LlamaConfig:
+        """Reads a model JSON: a name in ``jreshard/data/models`` or a file path."""
+        path = Path(name_or_path)
+        if path.suffix != ".json":
+            ref = resources.files("jreshard") / "data" / "models" / f"{name_or_path}.json"
+            if not ref.is_file():
+                raise ValueError(
+                    f"name_or_path {str(name_or_path)!r} is neither a .json file nor a model in "
+                    "jreshard/data/models; pass for example 'llama-tiny'."
+                )
+            text = ref.read_text()
+        else:
+            text = path.read_text()
+        raw = json.loads(text)
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in raw.items() if k in fields}
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def hf_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``transformers.LlamaConfig`` (or ``Qwen3Config``) with the same shapes."""
+        return {
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+        }
+
+
+def param_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter's leaf path and shape, in the flax model's tree order.
+
+    Example:
+      >>> shapes = param_shapes(LlamaConfig.load("llama-tiny"))
+      >>> shapes["layers_0/attn/q_proj/kernel"], shapes["embed/embedding"]
+      ((256, 256), (1024, 256))
+    """
+    c = config
+    h = c.hidden_size
+    out: dict[str, tuple[int, ...]] = {"embed/embedding": (c.vocab_size, h)}
+    for i in range(c.num_hidden_layers):
+        p = f"layers_{i}"
+        out[f"{p}/input_norm/scale"] = (h,)
+        out[f"{p}/attn/q_proj/kernel"] = (h, c.q_size)
+        out[f"{p}/attn/k_proj/kernel"] = (h, c.kv_size)
+        out[f"{p}/attn/v_proj/kernel"] = (h, c.kv_size)
+        out[f"{p}/attn/o_proj/kernel"] = (c.q_size, h)
+        if c.qk_norm:
+            out[f"{p}/attn/q_norm/scale"] = (c.head_dim,)
+            out[f"{p}/attn/k_norm/scale"] = (c.head_dim,)
+        out[f"{p}/post_attention_norm/scale"] = (h,)
+        out[f"{p}/mlp/gate_proj/kernel"] = (h, c.intermediate_size)
+        out[f"{p}/mlp/up_proj/kernel"] = (h, c.intermediate_size)
+        out[f"{p}/mlp/down_proj/kernel"] = (c.intermediate_size, h)
+    out["final_norm/scale"] = (h,)
+    if not c.tie_word_embeddings:
+        out["lm_head/kernel"] = (h, c.vocab_size)
+    return out
+
+
+def fsdp_spec(path: str, shape: tuple[int, ...], axis: str | tuple[str, ...] = "fsdp") -> tuple:
+    """The FSDP partition spec of one parameter: matrices split on dim 0, vectors replicated.
+
+    Example:
+      >>> fsdp_spec("layers_0/mlp/up_proj/kernel", (256, 688))
+      ('fsdp', None)
+      >>> fsdp_spec("final_norm/scale", (256,))
+      (None,)
+    """
+    if len(shape) >= 2:
+        return (axis,) + (None,) * (len(shape) - 1)
+    return (None,) * len(shape)
