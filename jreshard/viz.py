@@ -467,7 +467,10 @@ def draw_traffic(plan: Plan | TensorPlan | np.ndarray, *, devices: Sequence[int]
                       extent=(-0.5, n - 0.5, n - 0.5, -0.5))
     bar = ax.figure.colorbar(image, ax=ax, shrink=0.85)
     bar.set_label("bytes" if log else "bytes (linear)")
+    if isinstance(norm, LogNorm):
+        bar.ax.yaxis.set_major_locator(LogLocator(base=2.0))
     bar.ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: _bytes_label(v)))
+    bar.ax.yaxis.set_minor_formatter(NullFormatter())
     step = max(1, math.ceil(n / 16))
     ticks = list(range(0, n, step))
     ax.set_xticks(ticks, [str(ids[i]) for i in ticks], fontsize=7, rotation=90 if n > 16 else 0)
