@@ -78,11 +78,15 @@ def _seconds_label(s: float) -> str:
     return f"{s * 1e6:.0f} us"
 
 
+def _byte_ticks(lo: float, hi: float) -> list[float]:
+    """Round multiples of KiB, MiB or GiB (not of 10**k bytes) between lo and hi."""
+    unit = 1024 ** max(0, min(4, int(math.log(max(hi, 1.0), 1024))))
+    ticks = MaxNLocator(nbins=5, steps=[1, 2, 2.5, 5, 10]).tick_values(lo / unit, hi / unit) * unit
+    return [float(t) for t in ticks if lo <= t <= hi]
+
+
 def _bytes_axis(axis: Any, top: float) -> None:
-    """Linear byte ticks at round multiples of KiB, MiB, GiB (not of 10**k bytes)."""
-    unit = 1024 ** max(0, min(4, int(math.log(max(top, 1.0), 1024))))
-    ticks = MaxNLocator(nbins=5, steps=[1, 2, 2.5, 5, 10]).tick_values(0.0, top / unit) * unit
-    axis.set_ticks([t for t in ticks if 0 <= t <= top])
+    axis.set_ticks(_byte_ticks(0.0, top))
     axis.set_major_formatter(FuncFormatter(lambda v, _pos: _bytes_label(v) if v > 0 else "0"))
 
 
@@ -467,8 +471,10 @@ def draw_traffic(plan: Plan | TensorPlan | np.ndarray, *, devices: Sequence[int]
                       extent=(-0.5, n - 0.5, n - 0.5, -0.5))
     bar = ax.figure.colorbar(image, ax=ax, shrink=0.85)
     bar.set_label("bytes" if log else "bytes (linear)")
-    if isinstance(norm, LogNorm):
+    if isinstance(norm, LogNorm) and norm.vmax / norm.vmin >= 16:
         bar.ax.yaxis.set_major_locator(LogLocator(base=2.0))
+    else:
+        bar.set_ticks(_byte_ticks(norm.vmin, norm.vmax))
     bar.ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: _bytes_label(v)))
     bar.ax.yaxis.set_minor_formatter(NullFormatter())
     step = max(1, math.ceil(n / 16))
