@@ -1,0 +1,60 @@
+"""Renders the README's pictures, one per notebook, into docs/images/.
+
+Each picture is the headline figure of its notebook, computed the same way from
+the library (planner, catalog, cost model), so the README never shows a figure
+that the code no longer produces. Runs on CPU in a few seconds; no devices needed.
+
+Usage:
+  python notebooks/render_figures.py                 # all pictures into docs/images/
+  python notebooks/render_figures.py --out /tmp/img --only 01_quickstart
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from matplotlib.figure import Figure
+
+import jreshard
+import jreshard.viz as viz
+
+ROOT = Path(__file__).resolve().parents[1]
+DPI = 110
+
+
+def quickstart() -> Figure:
+    """01_quickstart: a (12, 10) weight from FSDP rows on devices 0-3 to TP columns x DP on 4-7."""
+    train = jreshard.Mesh([0, 1, 2, 3], ("fsdp",))
+    serve = jreshard.Mesh([[4, 5], [6, 7]], ("dp", "tp"))
+    src = jreshard.Layout((12, 10), train, ("fsdp", None), dtype="float32")
+    dst = jreshard.Layout((12, 10), serve, (None, "tp"), dtype="float32")
+    return viz.draw_plan(jreshard.plan(src, dst))
+
+
+FIGURES: dict[str, Callable[[], Figure]] = {
+    "01_quickstart": quickstart,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "images", help="folder for the PNG files")
+    parser.add_argument("--only", action="append", choices=sorted(FIGURES), help="render only this picture (repeatable)")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in args.only or sorted(FIGURES):
+        t0 = time.perf_counter()
+        fig = FIGURES[name]()
+        path = args.out / f"{name}.png"
+        # No software/date stamps, so a re-render with the same code gives the same file.
+        fig.savefig(path, dpi=DPI, metadata={"Software": None})
+        print(f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}  ({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
