@@ -198,7 +198,8 @@ def draw_layout(layout: Layout, *, ax: Any = None, title: str | None = None,
                                        edgecolor="white", linewidth=0.4, gid=f"replica:{device}"))
         if labels:
             ax.text(x + w / 2, y + h / 2 + (h * 0.08 if len(group) > 1 else 0), _devices_text(group),
-                    ha="center", va="center", fontsize=font, clip_on=True)
+                    ha="center", va="center", fontsize=font, clip_on=True,
+                    bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none", "alpha": 0.7})
     ax.set_xlim(0, max(cols, 1))
     ax.set_ylim(max(rows, 1), 0)
     _shard_ticks(ax, layout)
