@@ -28,7 +28,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from jreshard._layout import Box, Layout, _grid, _Grid, itemsize_of
-from jreshard._tree import describe, flatten, path_str
+from jreshard._tree import _sorted_keys, describe, flatten, path_str
 
 __all__ = ["Move", "TensorPlan", "Plan", "PlanStats", "plan", "plan_layouts", "PlanError", "clear_cache", "check_tensor_plan"]
 
@@ -193,11 +193,14 @@ def _stats(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, lower: int, nai
     net = src != dst
     ns, nd, nb = src[net], dst[net], nbytes[net]
     if len(ns):
-        pairs = len(np.unique(ns * (int(max(ns.max(), nd.max())) + 1) + nd))
-        sids, sinv = np.unique(ns, return_inverse=True)
-        sent = np.bincount(sinv, weights=nb).astype(np.int64)
-        rids, rinv = np.unique(nd, return_inverse=True)
-        recv = np.bincount(rinv, weights=nb).astype(np.int64)
+        top = int(max(ns.max(), nd.max())) + 1
+        # Device ids are ranks: dense tables (bincount) beat sorting millions of moves.
+        if top * top <= 1 << 26:
+            pairs = int(np.count_nonzero(np.bincount(ns * top + nd, minlength=top * top)))
+        else:
+            pairs = len(np.unique(ns * top + nd))
+        sids, sent = _sum_ints(ns, nb, top)
+        rids, recv = _sum_ints(nd, nb, top)
     else:
         pairs, sids, sent, rids, recv = 0, np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
     return PlanStats(
@@ -216,6 +219,17 @@ def _stats(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, lower: int, nai
         recv_bytes={int(d): int(b) for d, b in zip(rids, recv, strict=True)},
         unit=unit,
     )
+
+
+def _sum_ints(ids: np.ndarray, weights: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct ids, exact int64 sum of weights per id), ids sorted."""
+    # float64 sums are exact below 2**53 bytes per device.
+    if top <= 1 << 24:
+        count = np.bincount(ids, minlength=top)
+        uniq = np.nonzero(count)[0]
+        return uniq, np.bincount(ids, weights=weights, minlength=top)[uniq].astype(np.int64)
+    uniq, inv = np.unique(ids, return_inverse=True)
+    return uniq, np.bincount(inv.ravel(), weights=weights, minlength=len(uniq)).astype(np.int64)
 
 
 class TensorPlan:
@@ -414,83 +428,134 @@ def _lookup(sorted_keys: np.ndarray, sorted_vals: np.ndarray, queries: np.ndarra
     return np.where(found, sorted_vals[pos], -1)
 
 
+def _mesh_table(meshes: list) -> tuple[np.ndarray, np.ndarray, list]:
+    """Distinct meshes (by identity: tensors of a model share a few Mesh objects) as an
+    id table [C, size], plus each tensor's row in it."""
+    rows: dict[int, int] = {}
+    uniq: list = []
+    inv = np.empty(len(meshes), dtype=np.int64)
+    for k, m in enumerate(meshes):
+        j = rows.get(id(m))
+        if j is None:
+            j = rows[id(m)] = len(uniq)
+            uniq.append(m)
+        inv[k] = j
+    return np.array([m.device_ids for m in uniq], dtype=np.int64), inv, uniq
+
+
+def _combos(members: list[int], leaves: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Distinct (src mesh, dst mesh) pairs of a group: src ids [C, S], dst ids [C, D], tensor -> pair."""
+    s_tab, s_inv, _ = _mesh_table([leaves[i][0].mesh for i in members])
+    d_tab, d_inv, _ = _mesh_table([leaves[i][1].mesh for i in members])
+    pair = s_inv * len(d_tab) + d_inv
+    uniq, inv = np.unique(pair, return_inverse=True)
+    return s_tab[uniq // len(d_tab)], d_tab[uniq % len(d_tab)], inv.ravel()
+
+
 def _plan_leaves(leaves: list[tuple[Layout, Layout, int]], balance: bool = True) -> tuple[list[_GroupResult], list]:
     """Plans every leaf; returns per-group row arrays and each leaf's row range."""
     by_key: dict[tuple, list[int]] = {}
     for i, (s, d, _) in enumerate(leaves):
         by_key.setdefault((s.shape, _grid_key(s), _grid_key(d)), []).append(i)
 
-    # Step 2, vectorised per group.
+    # Step 2, vectorised per group. Rows of tensors with the same pair of meshes differ
+    # only in the tensor index, so the mesh-dependent work runs once per pair.
     staged = []
     choice = []  # rows that may come from any of several replicas
+    fixed_load: dict[int, float] = {}  # sender -> bytes it must send whatever the balancing
     for key, members in by_key.items():
         shape, skey, dkey = key
         pieces = _pieces(shape, skey, dkey)
         sgrid, dgrid = _grid(shape, *skey), _grid(shape, *dkey)
         T = len(members)
-        src_ids = np.array([leaves[i][0].mesh.device_ids for i in members], dtype=np.int64)  # [T, S]
-        dst_ids = np.array([leaves[i][1].mesh.device_ids for i in members], dtype=np.int64)  # [T, D]
-        itemsize = np.array([leaves[i][2] for i in members], dtype=np.int64)
-        S = src_ids.shape[1]
-        # Where each destination device sits in its tensor's source mesh (-1: absent).
+        src_ids, dst_ids, inv = _combos(members, leaves)  # [C, S], [C, D], [T]
+        C = len(src_ids)
+        itemsize = np.fromiter((leaves[i][2] for i in members), dtype=np.int64, count=T)
+        # Where each destination device sits in its pair's source mesh (-1: absent).
         big = int(max(src_ids.max(), dst_ids.max())) + 1
-        row_off = np.arange(T, dtype=np.int64)[:, None] * big
+        row_off = np.arange(C, dtype=np.int64)[:, None] * big
         order = np.argsort(src_ids, axis=1)
         skeys = (np.take_along_axis(src_ids, order, axis=1) + row_off).ravel()
         svals = order.ravel()
-        dst_src_pos = _lookup(skeys, svals, (dst_ids + row_off).ravel()).reshape(T, -1)
+        dst_src_pos = _lookup(skeys, svals, (dst_ids + row_off).ravel()).reshape(C, -1)
         dst_src_shard = np.where(dst_src_pos >= 0, sgrid.shard_flat[np.maximum(dst_src_pos, 0)], -1)
 
         # Lower bound and naive bytes, computed from the layouts, not from the moves.
         dvol = np.prod(dgrid.stop - dgrid.start, axis=1, dtype=np.int64) if shape else np.ones(len(dgrid.start), np.int64)
-        own_lo = np.maximum(dgrid.start[None], np.where(dst_src_pos[..., None] >= 0, sgrid.start[np.maximum(dst_src_pos, 0)], 0))
-        own_hi = np.minimum(dgrid.stop[None], np.where(dst_src_pos[..., None] >= 0, sgrid.stop[np.maximum(dst_src_pos, 0)], 0))
-        own = np.prod(np.maximum(own_hi - own_lo, 0), axis=2, dtype=np.int64) if shape else (dst_src_pos >= 0).astype(np.int64)
-        lacking = (dvol[None] - own).sum(axis=1) * itemsize
+        if (dst_src_pos < 0).all():
+            lacking_c = np.full(C, int(dvol.sum()), np.int64)
+        else:
+            own_lo = np.maximum(dgrid.start[None], np.where(dst_src_pos[..., None] >= 0, sgrid.start[np.maximum(dst_src_pos, 0)], 0))
+            own_hi = np.minimum(dgrid.stop[None], np.where(dst_src_pos[..., None] >= 0, sgrid.stop[np.maximum(dst_src_pos, 0)], 0))
+            own = np.prod(np.maximum(own_hi - own_lo, 0), axis=2, dtype=np.int64) if shape else (dst_src_pos >= 0).astype(np.int64)
+            lacking_c = (dvol[None] - own).sum(axis=1)
+        lacking = lacking_c[inv] * itemsize
         naive = int((dvol > 0).sum()) * math.prod(shape) * itemsize
-        lower = _Lower({m: int(lacking[t]) for t, m in enumerate(members)})
-        naive_d = _Lower({m: int(naive[t]) for t, m in enumerate(members)})
+        lower = _Lower(zip(members, lacking.tolist()))
+        naive_d = _Lower(zip(members, naive.tolist()))
 
         M = len(pieces.dst_pos)
-        pdst = dst_ids[:, pieces.dst_pos]  # [T, M]
-        local = dst_src_shard[:, pieces.dst_pos] == pieces.src_shard[None, :]
         groups = sgrid.groups  # [num src shards, R]
         R = groups.shape[1]
-        cands = src_ids[:, groups[pieces.src_shard]] if M else np.zeros((T, 0, R), np.int64)  # [T, M, R]
-        psrc = np.where(local, pdst, cands[:, :, 0] if M else pdst)
-        tcol = np.repeat(np.arange(T, dtype=np.int64), M)
-        staged.append((key, members, pieces, tcol, psrc.ravel(), pdst.ravel(), itemsize, lower, naive_d))
+        pdst_c = dst_ids[:, pieces.dst_pos]  # [C, M]
+        local_c = dst_src_shard[:, pieces.dst_pos] == pieces.src_shard[None, :]
+        cands_c = src_ids[:, groups[pieces.src_shard]] if M else np.zeros((C, 0, R), np.int64)  # [C, M, R]
+        psrc_c = np.where(local_c, pdst_c, cands_c[:, :, 0] if M else pdst_c)
+        pdst = pdst_c[inv].ravel()
+        psrc = psrc_c[inv].ravel()
+        staged.append((key, members, pieces, None, psrc, pdst, itemsize, lower, naive_d, inv, pdst_c, psrc_c))
         if R > 1 and M:
-            free = ~local.ravel()
+            free = ~local_c[inv].ravel()
             if free.any():
                 rows = np.nonzero(free)[0]
-                choice.append((len(staged) - 1, rows, cands.reshape(T * M, R)[rows],
-                               (np.tile(pieces.vol, T) * np.repeat(itemsize, M))[rows]))
+                cflat = cands_c.reshape(C * M, R)[(inv[:, None] * M + np.arange(M)).ravel()[rows]]
+                choice.append((len(staged) - 1, rows, cflat, (np.tile(pieces.vol, T) * np.repeat(itemsize, M))[rows]))
+        elif M:
+            # Fixed senders: each pair's per-piece loads, weighted by its tensors' itemsizes.
+            weight = np.bincount(inv, weights=itemsize, minlength=C)
+            send = ~local_c
+            for c in np.nonzero(weight)[0]:
+                ids, b = psrc_c[c][send[c]], pieces.vol[send[c]] * weight[c]
+                for sid, total in zip(*_sum_by(ids, b), strict=True):
+                    fixed_load[sid] = fixed_load.get(sid, 0.0) + total
 
     # Step 3: choose replicas across all groups at once.
     splits: dict[int, list] = {}
     if choice:
-        fixed_src, fixed_bytes = [], []
-        for gi, (key, members, pieces, tcol, psrc, pdst, itemsize, *_rest) in enumerate(staged):
-            vol = np.tile(pieces.vol, len(members)) * np.repeat(itemsize, len(pieces.vol))
-            mask = psrc != pdst
-            for (cgi, rows, _, _) in choice:
-                if cgi == gi:
-                    mask[rows] = False
-            fixed_src.append(psrc[mask])
-            fixed_bytes.append(vol[mask])
-        assigned, splits = _balance(staged, choice, np.concatenate(fixed_src), np.concatenate(fixed_bytes), balance)
+        fsrc = np.fromiter(fixed_load.keys(), dtype=np.int64, count=len(fixed_load))
+        fbytes = np.fromiter(fixed_load.values(), dtype=np.float64, count=len(fixed_load))
+        assigned, splits = _balance(staged, choice, fsrc, fbytes, balance)
         for (gi, rows, _, _), chosen in zip(choice, assigned, strict=True):
             staged[gi][4][rows] = chosen
+    choice_groups = {c[0] for c in choice}
 
     # Assemble rows, sorted by (tensor, dst, src, box) so each tensor is a contiguous range.
     results: list[_GroupResult] = []
     index: list = [None] * len(leaves)
-    for gi, (key, members, pieces, tcol, psrc, pdst, itemsize, lower, naive_d) in enumerate(staged):
+    for gi, (key, members, pieces, tcol, psrc, pdst, itemsize, lower, naive_d, inv, pdst_c, psrc_c) in enumerate(staged):
         T, M = len(members), len(pieces.dst_pos)
+        if gi not in splits and M:
+            rows = _presorted_rows(pieces, inv, pdst_c, psrc_c, with_src=gi not in choice_groups)
+            if rows is not None:
+                if rows is _IN_ORDER:
+                    s, d = psrc, pdst
+                    lo, hi, vol = np.tile(pieces.lo, (T, 1)), np.tile(pieces.hi, (T, 1)), np.tile(pieces.vol, T)
+                else:
+                    s, d = psrc[rows], pdst[rows]
+                    piece = rows % M
+                    lo, hi, vol = pieces.lo[piece], pieces.hi[piece], pieces.vol[piece]
+                uniform = (itemsize == itemsize[0]).all()
+                nbytes = vol * int(itemsize[0]) if uniform else vol * np.repeat(itemsize, M)
+                for a in (s, d, lo, hi, nbytes):
+                    a.setflags(write=False)
+                bounds = np.arange(T + 1) * M
+                for k, m in enumerate(members):
+                    index[m] = (gi, int(bounds[k]), int(bounds[k + 1]))
+                results.append(_GroupResult(s, d, lo, hi, nbytes, lower, naive_d))
+                continue
         lo = np.tile(pieces.lo, (T, 1))
         hi = np.tile(pieces.hi, (T, 1))
-        t, s, d = tcol, psrc, pdst
+        t, s, d = np.repeat(np.arange(T, dtype=np.int64), M), psrc, pdst
         if gi in splits:
             # Split rows: an original row shrinks in place, a split-off part is a new row.
             lo, hi = lo.copy(), hi.copy()
@@ -520,6 +585,57 @@ def _plan_leaves(leaves: list[tuple[Layout, Layout, int]], balance: bool = True)
     return results, index
 
 
+def _unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(a, axis=0, return_inverse=True)`` for many rows with few distinct values.
+
+    Rows are hashed to one int64 (a random linear form, wrapping), uniqued in 1-D, then
+    verified against their representatives; a collision falls back to the exact method.
+    """
+    if len(a) and a.shape[1]:
+        w = np.random.default_rng(0).integers(1, 1 << 62, size=a.shape[1], dtype=np.int64) | 1
+        _, first, inv = np.unique((a * w).sum(axis=1), return_index=True, return_inverse=True)
+        inv = inv.ravel()
+        reps = a[first]
+        if (reps[inv] == a).all():
+            order = np.lexsort(reps.T[::-1])
+            rank = np.empty_like(order)
+            rank[order] = np.arange(len(order))
+            return reps[order], rank[inv]
+    classes, inverse = np.unique(a, axis=0, return_inverse=True)
+    return classes, inverse.ravel()
+
+
+def _sum_by(ids: np.ndarray, weights: np.ndarray) -> tuple[list[int], list[float]]:
+    uniq, inv = np.unique(ids, return_inverse=True)
+    return uniq.tolist(), np.bincount(inv.ravel(), weights=weights, minlength=len(uniq)).tolist()
+
+
+_IN_ORDER = np.zeros(0, dtype=np.int64)  # sentinel: the tiled rows are already sorted
+
+
+def _presorted_rows(pieces: _Pieces, inv: np.ndarray, pdst_c: np.ndarray, psrc_c: np.ndarray,
+                    with_src: bool) -> np.ndarray | None:
+    """Row order (into the tiled [T*M] rows) sorted by (tensor, dst, src, box), or None.
+
+    Sorting a pair's M pieces once and gathering that order for each of its tensors
+    avoids a lexsort over all rows. Senders are fixed per pair unless replicas were
+    chosen (``with_src`` False); then the order must not depend on them, which holds
+    when every destination gets one piece.
+    """
+    M = len(pieces.dst_pos)
+    box_keys = [pieces.lo[:, k] for k in range(pieces.lo.shape[1] - 1, -1, -1)]
+    perms = np.empty(pdst_c.shape, dtype=np.int64)
+    for c in range(len(pdst_c)):
+        keys = box_keys + ([psrc_c[c]] if with_src else []) + [pdst_c[c]]
+        perm = np.lexsort(keys)
+        if not with_src and M > 1 and (np.diff(pdst_c[c][perm]) == 0).any():
+            return None
+        perms[c] = perm
+    if (perms == np.arange(M)).all():
+        return _IN_ORDER
+    return (np.arange(len(inv), dtype=np.int64)[:, None] * M + perms[inv]).ravel()
+
+
 def _balance(staged, choice, fixed_src, fixed_bytes, balance: bool):
     """Assigns a sender to every choice row; may split rows across replicas.
 
@@ -547,8 +663,7 @@ def _balance(staged, choice, fixed_src, fixed_bytes, balance: bool):
     nbytes = np.concatenate([x[3] for x in blocks])
     chosen = np.empty(len(blk), np.int64)
 
-    classes, inverse = np.unique(cand, axis=0, return_inverse=True)
-    inverse = inverse.ravel()
+    classes, inverse = _unique_rows(cand)
     totals = np.bincount(inverse, weights=nbytes)
     by_class = np.argsort(inverse, kind="stable")
     bounds = np.searchsorted(inverse[by_class], np.arange(len(classes) + 1))
@@ -695,6 +810,7 @@ _PLAN_CACHE_SIZE = 32
 def clear_cache() -> None:
     """Forgets cached plans, pieces and grids (for cold-start measurements)."""
     _PLAN_CACHE.clear()
+    _IDENTITY_CACHE.clear()
     _pieces.cache_clear()
     _grid.cache_clear()
 
@@ -758,6 +874,20 @@ def plan(src: Any, dst: Any, *, balance: bool = True, **kwargs: Any) -> TensorPl
             hit = _plan_tree([()], "leaf", [src], [dst], balance)[""]
             _remember(key, hit)
         return hit
+    ident = (id(src), id(dst), balance)
+    hit = _IDENTITY_CACHE.get(ident)
+    if hit is not None and hit[0] is src and hit[1] is dst and _same_content(src, dst, hit[2]):
+        return hit[3]
+    flat = _flat_layout_dict(src, dst)
+    if flat is not None:
+        src_paths, src_leaves, src_def, dst_leaves = flat
+        key = ("tree", src_def, tuple(src_leaves), tuple(dst_leaves), balance)
+        hit = _PLAN_CACHE.get(key)
+        if hit is None:
+            hit = _plan_tree(src_paths, src_def, src_leaves, dst_leaves, balance)
+            _remember(key, hit)
+        _remember_identity(ident, src, dst, hit)
+        return hit
     src_paths, src_leaves, src_def = flatten(src)
     if src_leaves and any(_is_jax_like(x) for x in src_leaves):
         from jreshard import _jax_plan  # the JAX executor's adapter; imports jax
@@ -781,6 +911,46 @@ def plan(src: Any, dst: Any, *, balance: bool = True, **kwargs: Any) -> TensorPl
     return hit
 
 
+# Whole models are usually flat dicts {name: Layout} planned again and again with the
+# same objects: a hit on (id(src), id(dst)) only re-checks keys and values by identity.
+_IDENTITY_CACHE: OrderedDict = OrderedDict()
+
+
+def _content(src: dict, dst: dict) -> tuple:
+    return (tuple(src), tuple(src.values()), tuple(dst), tuple(dst.values()))
+
+
+def _same_content(src: Any, dst: Any, snapshot: tuple) -> bool:
+    return type(src) is dict and type(dst) is dict and _content(src, dst) == snapshot
+
+
+def _remember_identity(ident: tuple, src: dict, dst: dict, value: Any) -> None:
+    # Holding src and dst keeps their ids from being reused by other objects.
+    _IDENTITY_CACHE[ident] = (src, dst, _content(src, dst), value)
+    _IDENTITY_CACHE.move_to_end(ident)
+    while len(_IDENTITY_CACHE) > _PLAN_CACHE_SIZE:
+        _IDENTITY_CACHE.popitem(last=False)
+
+
+def _flat_layout_dict(src: Any, dst: Any) -> tuple | None:
+    """(paths, src leaves, treedef, dst leaves) when src and dst are flat dicts of Layouts
+    with the same keys, the usual whole-model input; ``None`` sends other trees the general way."""
+    if type(src) is not dict or type(dst) is not dict or len(src) != len(dst) or not src:
+        return None
+    keys = _sorted_keys(src)
+    try:
+        srcs = [src[k] for k in keys]
+        dsts = [dst[k] for k in keys]
+    except KeyError:
+        return None
+    if not (all(type(x) is Layout for x in srcs) and all(type(x) is Layout for x in dsts)):
+        return None
+    if any(s.shape != d.shape for s, d in zip(srcs, dsts, strict=True)):
+        for k, s, d in zip(keys, srcs, dsts, strict=True):
+            _check_pair(path_str((k,)), s, d)
+    return [(k,) for k in keys], srcs, ("dict", tuple(keys), ("leaf",) * len(keys)), dsts
+
+
 def _remember(key: tuple, value: Any) -> None:
     _PLAN_CACHE[key] = value
     _PLAN_CACHE.move_to_end(key)
@@ -789,7 +959,14 @@ def _remember(key: tuple, value: Any) -> None:
 
 
 def _plan_tree(paths: list[tuple], treedef: Any, srcs: list[Layout], dsts: list[Layout], balance: bool) -> Plan:
-    leaves = [(s, d, _itemsize(s, d)) for s, d in zip(srcs, dsts, strict=True)]
+    sizes: dict[tuple, int] = {}
+    leaves = []
+    for s, d in zip(srcs, dsts, strict=True):
+        k = (s.dtype, d.dtype)
+        size = sizes.get(k)
+        if size is None:
+            size = sizes[k] = _itemsize(s, d)
+        leaves.append((s, d, size))
     groups, index = _plan_leaves(leaves, balance)
     return Plan(paths, treedef, leaves, groups, index)
 
