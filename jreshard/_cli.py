@@ -1,0 +1,198 @@
+"""``jreshard plan``: bytes, balance and predicted time of a whole-model weight sync."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from jreshard import catalog, cost
+from jreshard._planner import PlanStats, clear_cache, plan
+from jreshard.scenario import Scenario, ScenarioError, load_scenario
+
+__all__ = ["add_plan_parser", "run_plan", "plan_report"]
+
+_PROGRESS_MIN_TENSORS = 5000  # below this planning takes well under a second
+
+
+def add_plan_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "plan", help="plan a whole-model weight sync and predict its time",
+        description="Plan a weight sync from a scenario file (or --model/--train/--infer/--hardware) and print "
+                    "bytes moved, the lower bound, per-device load, messages, predicted seconds for jreshard "
+                    "and the baselines, and planning time.")
+    p.add_argument("scenario", nargs="?", help="scenario JSON file or built-in scenario name")
+    p.add_argument("--model", help=f"catalog model ({', '.join(catalog.models())}) or a config.json path")
+    p.add_argument("--train", help="training degrees, e.g. tp=4,pp=4,dp=2 (also ep, cp, fsdp, expert_tp)")
+    p.add_argument("--infer", help="inference degrees, e.g. tp=4,dp=8 (also ep)")
+    p.add_argument("--hardware", help=f"hardware name ({', '.join(cost.hardware_names())}) or JSON path")
+    p.add_argument("--dtype", help="weight dtype (default: the model's)")
+    p.add_argument("--colocated", action="store_true", help="training and inference share devices")
+    p.add_argument("--gpus-per-domain", type=int, help="override the hardware's NVLink domain size")
+    p.add_argument("--experts", choices=("separate", "stacked"), default="separate",
+                   help="routed experts as separate tensors (Hugging Face) or stacked [experts, ...]")
+    p.add_argument("--hierarchical", choices=("auto", "always", "never"), default="auto",
+                   help="hierarchical delivery: let the cost model decide (auto), force it, or never")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
+                   help="progress bar on stderr (auto: for large models on a terminal)")
+
+
+def _scenario_from_args(args: argparse.Namespace) -> Scenario:
+    flags = {"--model": args.model, "--train": args.train, "--infer": args.infer, "--hardware": args.hardware}
+    if args.scenario:
+        given = [k for k, v in flags.items() if v]
+        if given:
+            raise ScenarioError(f"give either a scenario file or {', '.join(flags)}, not both (got {given[0]}).")
+        return load_scenario(args.scenario)
+    missing = [k for k, v in flags.items() if not v]
+    if missing:
+        raise ScenarioError(f"without a scenario file, {missing[0]} is required (flags {', '.join(flags)}).")
+    data: dict[str, Any] = {
+        "model": args.model,
+        "train": _degrees(args.train, "--train"),
+        "infer": _degrees(args.infer, "--infer"),
+        "hardware": args.hardware,
+        "colocated": bool(args.colocated),
+    }
+    if args.dtype:
+        data["dtype"] = args.dtype
+    if args.gpus_per_domain:
+        data["gpus_per_domain_override"] = args.gpus_per_domain
+    return load_scenario(data, name=f"{args.model} train {args.train} infer {args.infer} on {args.hardware}")
+
+
+def _degrees(text: str, flag: str) -> dict[str, Any]:
+    """'tp=4,pp=2' -> {'tp': 4, 'pp': 2}; names and values are checked by the scenario loader."""
+    out: dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, eq, val = part.partition("=")
+        if not eq or not val.strip().lstrip("-").isdigit():
+            raise ScenarioError(f"{flag} {text!r}: cannot read {part!r}; write name=int pairs such as 'tp=4,dp=2'.")
+        out[key.strip()] = int(val)
+    return out
+
+
+class _Steps:
+    """A step progress bar on stderr (tqdm when installed), or nothing."""
+
+    def __init__(self, enabled: bool, total: int) -> None:
+        self.bar = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, file=sys.stderr, leave=False, unit="step")
+            except ImportError:
+                self.bar = None
+
+    @contextlib.contextmanager
+    def step(self, what: str) -> Iterator[None]:
+        if self.bar is not None:
+            self.bar.set_description(what)
+        yield
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def wrap(self, items: Any) -> Any:
+        if self.bar is None:
+            return items
+        from tqdm import tqdm
+
+        return tqdm(items, file=sys.stderr, leave=False, desc="hierarchical plan", unit="tensor")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def plan_report(s: Scenario, *, experts: str = "separate", hierarchical: str = "auto",
+                progress: bool = False) -> dict[str, Any]:
+    """Plans scenario ``s`` and returns the report (the ``--json`` object)."""
+    steps = _Steps(progress, 5)
+    try:
+        with steps.step("layouts"):
+            src, dst = s.layouts(experts)
+        with steps.step("plan (cold)"):
+            clear_cache()
+            t0 = time.perf_counter()
+            p = plan(src, dst)
+            cold = time.perf_counter() - t0
+        with steps.step("plan (warm)"):
+            t0 = time.perf_counter()
+            plan(src, dst)
+            warm = time.perf_counter() - t0
+        with steps.step("statistics"):
+            st: PlanStats = p.stats()
+        with steps.step("cost model"):
+            cmp = cost.compare(src, dst, s.topology(), hierarchical=hierarchical, jreshard_plan=p,
+                               progress=steps.wrap if progress else None)
+    finally:
+        steps.close()
+    return {
+        "scenario": s.name,
+        "model": s.model.name,
+        "tensors": len(src),
+        "train_gpus": s.train_gpus,
+        "infer_gpus": s.infer_gpus,
+        "bytes_moved": st.network_bytes,
+        "lower_bound_bytes": st.lower_bound_bytes,
+        "naive_bytes": st.naive_bytes,
+        "max_send_bytes": st.max_send_bytes,
+        "mean_send_bytes": st.mean_send_bytes,
+        "max_recv_bytes": st.max_recv_bytes,
+        "mean_recv_bytes": st.mean_recv_bytes,
+        "messages": st.messages,
+        "plan_seconds_cold": cold,
+        "plan_seconds_warm": warm,
+        "predicted_seconds": cmp.seconds(),
+        "delivery": cmp.delivery,
+        "bottleneck": cmp.jreshard.bottleneck,
+        "published": dict(s.published),
+    }
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.2f} GB"
+
+
+def format_report(r: dict[str, Any]) -> str:
+    pred = r["predicted_seconds"]
+    pub = {k: v for k, v in r["published"].items() if isinstance(v, (int, float))}
+    rows = [
+        ("scenario", f"{r['scenario']} ({r['model']}, {r['tensors']:,} tensors, "
+                     f"{r['train_gpus']} -> {r['infer_gpus']} devices)"),
+        ("network bytes", _gb(r["bytes_moved"])),
+        ("lower bound", _gb(r["lower_bound_bytes"]) + ("  (met)" if r["bytes_moved"] == r["lower_bound_bytes"] else "")),
+        ("gather-then-broadcast", _gb(r["naive_bytes"])),
+        ("per sender", f"max {_gb(r['max_send_bytes'])}, mean {_gb(r['mean_send_bytes'])} "
+                       f"(imbalance {r['max_send_bytes'] / r['mean_send_bytes'] if r['mean_send_bytes'] else 1:.3f})"),
+        ("per receiver", f"max {_gb(r['max_recv_bytes'])}, mean {_gb(r['mean_recv_bytes'])}"),
+        ("messages", f"{r['messages']:,} sender->receiver pairs"),
+        ("predicted jreshard", f"{pred['jreshard']:.3f} s ({r['delivery']} delivery; bottleneck {r['bottleneck']})"),
+        ("predicted gather+bcast", f"{pred['gather_broadcast']:.3f} s"),
+        ("predicted flat direct", f"{pred['flat_direct']:.3f} s"),
+        ("planning time", f"cold {r['plan_seconds_cold']:.3f} s, warm {r['plan_seconds_warm'] * 1e3:.2f} ms"),
+    ]
+    if pub:
+        rows.append(("published", ", ".join(f"{k} {v}" for k, v in pub.items())))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    try:
+        s = _scenario_from_args(args)
+        progress = args.progress == "on" or (
+            args.progress == "auto" and sys.stderr.isatty()
+            and len(catalog.tensors(s.model, experts=args.experts)) >= _PROGRESS_MIN_TENSORS)
+        report = plan_report(s, experts=args.experts, hierarchical=args.hierarchical, progress=progress)
+    except (ScenarioError, ValueError, TypeError) as exc:
+        print(f"jreshard plan: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
