@@ -16,9 +16,16 @@ How a transfer runs (every process computes the same schedule from the same plan
    one contiguous ``uint8`` buffer per peer; the buffers travel either by one
    ``jax.lax.ppermute`` per round inside one ``jax.shard_map`` over a mesh of all
    source and destination devices (``transport="collective"``, the path that works
-   across processes) or by ``jax.device_put`` per buffer (``transport="direct"``,
+   across processes) or by ``jax.device_put`` per buffer (``transport="device_put"``,
    one process only); each receiver runs one *unpack* program that writes the pieces
    (and its local copies) into its destination shards.
+
+On the CPU backend device buffers are host memory, and ``transport="memcpy"`` copies
+every box straight from the source device's buffer into a new destination buffer
+(one copy per byte, no staging, several threads), which ``jax.device_put`` adopts
+without copying. This is the per-box device-to-device path for CPU; it is what
+``"auto"`` picks there when one process addresses every device (measured in
+``benchmarks/transfer_bench.py``).
 5. *Assembly*: ``jax.make_array_from_single_device_arrays`` with exactly the target
    sharding. A destination shard that is exactly a source shard on the same device,
    with the same dtype, is reused without a copy.
@@ -29,9 +36,12 @@ the same pytree does no tracing.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import functools
 import math
 import numbers
+import os
 from collections import OrderedDict, defaultdict
 from typing import Any
 
@@ -48,12 +58,12 @@ from jreshard._tree import path_str
 __all__ = ["transfer", "DEFAULT_MAX_BYTES_IN_FLIGHT", "TRANSPORTS"]
 
 DEFAULT_MAX_BYTES_IN_FLIGHT = 256 << 20
-TRANSPORTS = ("auto", "direct", "collective")
+TRANSPORTS = ("auto", "collective", "device_put", "memcpy")
 
-# Backends on which `transport="auto"` uses per-buffer `device_put` when one process
-# addresses every device; measured with benchmarks/transfer_bench.py (see
-# docs/transfer.md). Elsewhere auto uses the collective.
-_DIRECT_BACKENDS = frozenset({"cpu"})
+# What `transport="auto"` picks, per backend, when one process addresses every
+# device (measured with benchmarks/transfer_bench.py, see docs/transfer.md); the
+# collective everywhere else.
+_AUTO_ONE_PROCESS = {"cpu": "memcpy"}
 
 _TRACES = 0  # programs traced so far (tests check that a second sync traces nothing)
 
@@ -226,32 +236,55 @@ def _slice(x: jax.Array, start: tuple[int, ...], shape: tuple[int, ...]) -> jax.
     return jax.lax.slice(x, start, tuple(a + n for a, n in zip(start, shape, strict=True)))
 
 
-def _to_bytes(x: jax.Array) -> jax.Array:
+# Data moves as unsigned integers of the element's width: XLA may compute float ops
+# on some element types in a wider type (bfloat16 on CPU), which would canonicalise
+# NaN payloads; integer copies keep every bit.
+
+
+def _as_uint(x: jax.Array) -> jax.Array:
     if x.dtype == jnp.bool_:
-        return x.astype(jnp.uint8).reshape(-1)
-    return jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
+        return x.astype(jnp.uint8)
+    return jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize])
 
 
-def _from_bytes(buf: jax.Array, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> jax.Array:
-    n = math.prod(shape) * dtype.itemsize
-    raw = jax.lax.slice(buf, (offset,), (offset + n,))
+def _from_uint(u: jax.Array, dtype: np.dtype) -> jax.Array:
     if dtype == np.bool_:
-        return (raw != 0).reshape(shape)
-    if dtype.itemsize == 1:
-        return jax.lax.bitcast_convert_type(raw, dtype).reshape(shape)
-    return jax.lax.bitcast_convert_type(raw.reshape(shape + (dtype.itemsize,)), dtype)
+        return u != 0
+    return jax.lax.bitcast_convert_type(u, dtype)
 
 
-def _make_pack(leaves: tuple[int, ...], buffers: list[tuple[_Buffer, int]], dtypes: list[np.dtype]):
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def _piece(shard_uint: jax.Array, p: _Piece, src: np.dtype, dst: np.dtype) -> jax.Array:
+    """A piece of a source shard (given as uint), cast to ``dst``, as uint."""
+    u = _slice(shard_uint, p.src_start, p.shape)
+    return u if src == dst else _as_uint(_from_uint(u, src).astype(dst))
+
+
+def _to_bytes(u: jax.Array) -> jax.Array:
+    if u.dtype.itemsize == 1:
+        return u.reshape(-1)
+    return jax.lax.bitcast_convert_type(u, jnp.uint8).reshape(-1)
+
+
+def _from_bytes(buf: jax.Array, offset: int, shape: tuple[int, ...], itemsize: int) -> jax.Array:
+    raw = jax.lax.slice(buf, (offset,), (offset + math.prod(shape) * itemsize,))
+    if itemsize == 1:
+        return raw.reshape(shape)
+    return jax.lax.bitcast_convert_type(raw.reshape(shape + (itemsize,)), _UINT[itemsize])
+
+
+def _make_pack(leaves: tuple[int, ...], buffers: list[tuple[_Buffer, int]], src_dtypes: list[np.dtype],
+               dtypes: list[np.dtype]):
     """One device's sends in one wave: source shards in, one uint8 buffer per peer out."""
 
     def pack(*shards):
         _traced()
-        held = dict(zip(leaves, shards, strict=True))
+        held = {i: _as_uint(x) for i, x in zip(leaves, shards, strict=True)}
         out = []
         for buf, width in buffers:
-            parts = [_to_bytes(_slice(held[p.leaf], p.src_start, p.shape).astype(dtypes[p.leaf]))
-                     for p in buf.pieces]
+            parts = [_to_bytes(_piece(held[p.leaf], p, src_dtypes[p.leaf], dtypes[p.leaf])) for p in buf.pieces]
             if width > buf.nbytes:
                 parts.append(jnp.zeros((width - buf.nbytes,), jnp.uint8))
             out.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts))
@@ -262,29 +295,30 @@ def _make_pack(leaves: tuple[int, ...], buffers: list[tuple[_Buffer, int]], dtyp
 
 def _make_unpack(carried: tuple[int, ...], fresh: tuple[int, ...], buffers: list[_Buffer],
                  local: tuple[_Piece, ...], local_leaves: tuple[int, ...], shapes: dict[int, tuple],
-                 dtypes: list[np.dtype], donate: bool):
+                 src_dtypes: list[np.dtype], dtypes: list[np.dtype], finish: frozenset[int], donate: bool):
     """One device's receives in one wave: writes pieces into its destination shards."""
 
     def unpack(prev, received, shards):
         _traced()
-        held = dict(zip(local_leaves, shards, strict=True))
+        held = {i: _as_uint(x) for i, x in zip(local_leaves, shards, strict=True)}
         writes: dict[int, list[tuple[tuple[int, ...], jax.Array]]] = defaultdict(list)
         for buf, raw in zip(buffers, received, strict=True):
             for p, off in zip(buf.pieces, buf.offsets, strict=True):
-                writes[p.leaf].append((p.dst_start, _from_bytes(raw, off, p.shape, dtypes[p.leaf])))
+                writes[p.leaf].append((p.dst_start, _from_bytes(raw, off, p.shape, dtypes[p.leaf].itemsize)))
         for p in local:
-            writes[p.leaf].append((p.dst_start, _slice(held[p.leaf], p.src_start, p.shape).astype(dtypes[p.leaf])))
+            writes[p.leaf].append((p.dst_start, _piece(held[p.leaf], p, src_dtypes[p.leaf], dtypes[p.leaf])))
+        # Shards carried over from an earlier wave arrive (and leave) as uint.
         acc = dict(zip(carried, prev, strict=True))
         out = []
         for leaf in carried + fresh:
             parts = writes[leaf]
             if leaf not in acc and len(parts) == 1 and tuple(parts[0][1].shape) == shapes[leaf]:
-                out.append(parts[0][1])  # one piece is the whole shard
-                continue
-            a = acc[leaf] if leaf in acc else jnp.zeros(shapes[leaf], dtypes[leaf])
-            for start, v in parts:
-                a = jax.lax.dynamic_update_slice(a, v, start)
-            out.append(a)
+                a = parts[0][1]  # one piece is the whole shard
+            else:
+                a = acc[leaf] if leaf in acc else jnp.zeros(shapes[leaf], _UINT[dtypes[leaf].itemsize])
+                for start, v in parts:
+                    a = jax.lax.dynamic_update_slice(a, v, start)
+            out.append(_from_uint(a, dtypes[leaf]) if leaf in finish else a)
         return tuple(out)
 
     return jax.jit(unpack, donate_argnums=(0,) if donate else ())
@@ -319,6 +353,7 @@ class _Executor:
     def __init__(self, leaves: Leaves, tplans: list[TensorPlan], transport: str, cap: int) -> None:
         self.shardings = leaves.shardings
         self.dtypes = list(leaves.dtypes)
+        self.src_dtypes = [np.dtype(v.dtype) for v in leaves.values]
         self.shapes = [tuple(int(n) for n in v.shape) for v in leaves.values]
         self.src_shardings = tuple(v.sharding for v in leaves.values)
         self.transport = transport
@@ -350,8 +385,11 @@ class _Executor:
             reuse_by_leaf[i].add(d)
         # Drop moves into reused shards by filtering the schedule's pieces afterwards.
         itemsizes = [dt.itemsize for dt in self.dtypes]
-        waves = _schedule(tplans, skip_moves, itemsizes, cap)
+        waves = [] if transport == "memcpy" else _schedule(tplans, skip_moves, itemsizes, cap)
         waves = [self._drop_reused(w, reuse_by_leaf) for w in waves]
+        self.copies = self._copies(tplans) if transport == "memcpy" else []
+        self.casts = {i: jax.jit(functools.partial(_cast, dtype=self.dtypes[i])) for i in range(n)
+                      if self.src_dtypes[i] != self.dtypes[i]}
         self.dst_shape = {(i, d): tuple(b.stop - b.start for b in box)
                           for i, boxes in enumerate(self.dst_boxes) for d, box in boxes.items()}
         self.union = sorted({d for i, tp in enumerate(tplans) if i not in self.passthrough
@@ -364,15 +402,64 @@ class _Executor:
             self.mesh = jax.sharding.Mesh(np.array([devices[d] for d in self.union], dtype=object), ("x",))
         self.position = {d: k for k, d in enumerate(self.union)}
         self._started: dict[int, set[int]] = defaultdict(set)  # device -> leaves written so far
-        self.waves = [self._programs(w) for w in waves]
+        self._last: dict[tuple[int, int], int] = {}  # (leaf, device) -> the last wave writing it
+        for w, wave in enumerate(waves):
+            for bufs in wave.rounds:
+                for b in bufs:
+                    self._last.update(((p.leaf, b.dst), w) for p in b.pieces)
+            for d, pieces in wave.local.items():
+                self._last.update(((p.leaf, d), w) for p in pieces)
+        self.waves = [self._programs(w, wave) for w, wave in enumerate(waves)]
         self.num_rounds = sum(len(w.rounds) for w in waves)
+
+    def _copies(self, tplans: list[TensorPlan]) -> list[tuple[int, int, tuple[int, ...], list[tuple]]]:
+        """memcpy transport: per (leaf, destination device), the regions to copy from which device."""
+        out = []
+        for i, tp in enumerate(tplans):
+            if i in self.passthrough:
+                continue
+            sb, db = tp.src.shards(), tp.dst.shards()
+            by_dst: dict[int, list[tuple]] = defaultdict(list)
+            for s, d, lo, hi in zip(tp.move_src.tolist(), tp.move_dst.tolist(), tp.move_lo.tolist(),
+                                    tp.move_hi.tolist(), strict=True):
+                if (i, d) in self.reuse:
+                    continue
+                by_dst[d].append((s, tuple(slice(a - b.start, c - b.start) for a, c, b in zip(lo, hi, sb[s], strict=True)),
+                                  tuple(slice(a - b.start, c - b.start) for a, c, b in zip(lo, hi, db[d], strict=True))))
+            for d, regions in by_dst.items():
+                out.append((i, d, tuple(b.stop - b.start for b in db[d]), regions))
+        # Largest first, so that the threads finish together.
+        out.sort(key=lambda t: -math.prod(t[2]) * self.dtypes[t[0]].itemsize)
+        return out
+
+    def _memcpy(self, shard) -> dict[tuple[int, int], jax.Array]:
+        """Copies every box between the devices' host buffers (CPU backend, one process)."""
+        views: dict[tuple[int, int], np.ndarray] = {}
+        for i, d, shape, regions in self.copies:
+            for s, _, _ in regions:
+                if (i, s) not in views:
+                    x = shard(i, s)
+                    if i in self.casts:
+                        x = self.casts[i](x)
+                    views[(i, s)] = _uint_view(np.asarray(x))
+
+        def fill(task) -> np.ndarray:
+            i, d, shape, regions = task
+            out = _aligned_empty(shape, views[(i, regions[0][0])].dtype)
+            for s, src_region, dst_region in regions:
+                out[dst_region] = views[(i, s)][src_region]
+            return out.view(self.dtypes[i])
+
+        filled = list(_pool().map(fill, self.copies)) if len(self.copies) > 1 else [fill(t) for t in self.copies]
+        placed = jax.device_put(filled, [self.devices[d] for _, d, _, _ in self.copies])
+        return {(i, d): x for (i, d, _, _), x in zip(self.copies, placed, strict=True)}
 
     @staticmethod
     def _drop_reused(wave: _Wave, reuse: dict[int, set[int]]) -> _Wave:
         local = {d: tuple(p for p in ps if d not in reuse.get(p.leaf, ())) for d, ps in wave.local.items()}
         return _Wave(wave.rounds, {d: ps for d, ps in local.items() if ps})
 
-    def _programs(self, wave: _Wave) -> _WaveProgram:
+    def _programs(self, index: int, wave: _Wave) -> _WaveProgram:
         collective = self.transport == "collective"
         widths = tuple(max(b.nbytes for b in r) for r in wave.rounds)
         sends: dict[int, list[tuple[_Buffer, int]]] = defaultdict(list)
@@ -385,7 +472,7 @@ class _Executor:
         for s, bufs in sends.items():
             if s in self.local_ids:
                 leaves = tuple(sorted({p.leaf for b, _ in bufs for p in b.pieces}))
-                packs[s] = (_make_pack(leaves, bufs, self.dtypes), leaves, bufs)
+                packs[s] = (_make_pack(leaves, bufs, self.src_dtypes, self.dtypes), leaves, bufs)
         unpacks = {}
         for d in sorted(set(recvs) | set(wave.local)):
             if d not in self.local_ids:
@@ -399,8 +486,9 @@ class _Executor:
             local = wave.local.get(d, ())
             local_leaves = tuple(sorted({p.leaf for p in local}))
             shapes = {i: self.dst_shape[(i, d)] for i in touched}
-            fn = _make_unpack(carried, fresh, recvs.get(d, []), local, local_leaves, shapes, self.dtypes,
-                              donate=bool(carried))
+            finish = frozenset(i for i in touched if self._last[(i, d)] == index)
+            fn = _make_unpack(carried, fresh, recvs.get(d, []), local, local_leaves, shapes, self.src_dtypes,
+                              self.dtypes, finish, donate=bool(carried))
             unpacks[d] = (fn, carried, fresh, recvs.get(d, []), local_leaves)
         comm = None
         if collective and wave.rounds:
@@ -416,7 +504,7 @@ class _Executor:
                 shards[leaf] = {s.device.id: s.data for s in values[leaf].addressable_shards}
             return shards[leaf][device]
 
-        results: dict[tuple[int, int], jax.Array] = {}
+        results: dict[tuple[int, int], jax.Array] = self._memcpy(shard) if self.copies else {}
         for w, prog in enumerate(self.waves):
             if w > 0:
                 # Bound staging memory: the previous wave finishes before the next starts.
@@ -450,7 +538,7 @@ class _Executor:
                     arrays.append(results[(i, d)])
                 else:  # an empty shard (a dim of size 0): nothing moves into it
                     arrays.append(jnp.zeros(self.dst_shape[(i, d)], self.dtypes[i], device=dev))
-            out.append(jax.make_array_from_single_device_arrays(self.shapes[i], sharding, arrays))
+            out.append(jax.make_array_from_single_device_arrays(self.shapes[i], sharding, arrays, dtype=self.dtypes[i]))
         if donate:
             kept = self.passthrough | {i for i, _ in self.reuse}
             for i, v in enumerate(values):
@@ -461,7 +549,7 @@ class _Executor:
     def _move(self, prog: _WaveProgram, packed: dict[tuple[int, int], jax.Array]) -> dict[tuple[int, int], jax.Array]:
         if not prog.rounds:
             return {}
-        if self.transport == "direct":
+        if self.transport == "device_put":
             return {key: jax.device_put(buf, self.devices[key[1]]) for key, buf in packed.items()}
         sharding = NamedSharding(self.mesh, P("x"))
         inputs = []
@@ -479,6 +567,37 @@ class _Executor:
                 if b.dst in self.local_ids:
                     received[(b.src, b.dst)] = got[b.dst]
         return received
+
+
+def _cast(x: jax.Array, dtype: np.dtype) -> jax.Array:
+    return x.astype(dtype)
+
+
+def _uint_view(a: np.ndarray) -> np.ndarray:
+    # Copies as unsigned integers: byte-exact whatever the element type.
+    return a.view(np.uint8 if a.dtype == np.bool_ else _NP_UINT[a.dtype.itemsize])
+
+
+_NP_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised array on a 64-byte boundary, which jax's CPU client adopts without a copy."""
+    n = math.prod(shape) * np.dtype(dtype).itemsize
+    raw = np.empty(n + 64, np.uint8)
+    start = (-raw.ctypes.data) % 64
+    return raw[start:start + n].view(dtype).reshape(shape)
+
+
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)),
+                                                      thread_name_prefix="jreshard-memcpy")
+    return _POOL
 
 
 _EXECUTORS: OrderedDict = OrderedDict()
@@ -546,9 +665,11 @@ def transfer(params: Any, target: Any, *, plan: Plan | TensorPlan | None = None,
         waves, and a tensor larger than this is cut into pieces.
       mesh: the ``jax.sharding.Mesh`` (or ``jreshard.Mesh``) for PartitionSpec targets.
       transport: ``"collective"`` (``ppermute`` inside ``shard_map``; works across
-        processes), ``"direct"`` (``device_put`` per packed buffer; one process must
-        address every device), or ``"auto"`` (direct where that is the faster one
-        measured for the backend and possible, else collective).
+        processes), ``"device_put"`` (one ``device_put`` per packed buffer; one process
+        must address every device), ``"memcpy"`` (CPU devices in one process: each box
+        copied between the devices' host buffers), or ``"auto"``: the fastest measured
+        for the backend when one process addresses every device (``"memcpy"`` on
+        CPU), else ``"collective"``.
 
     Returns:
       The pytree of ``params``' structure, each leaf a ``jax.Array`` with exactly its
@@ -601,13 +722,20 @@ def _resolve_transport(transport: str, leaves: Leaves) -> str:
         ids.update(d.id for d in v.sharding.device_set)
         ids.update(d.id for d in s.device_set)
     me = jax.process_index()
-    one_process = all(d.process_index == me for d in jax.devices() if d.id in ids)
-    if transport == "direct" and not one_process:
+    devices = [d for d in jax.devices() if d.id in ids]
+    one_process = all(d.process_index == me for d in devices)
+    platforms = {d.platform for d in devices}
+    if transport in ("device_put", "memcpy") and not one_process:
         raise ValueError(
-            "transport='direct' needs every source and destination device in this process; "
+            f"transport={transport!r} needs every source and destination device in this process; "
             "use transport='collective' (or 'auto') under jax.distributed."
         )
+    if transport == "memcpy" and platforms != {"cpu"}:
+        raise ValueError(
+            f"transport='memcpy' copies host buffers and needs CPU devices, got {sorted(platforms)}; "
+            "use 'auto', 'device_put' or 'collective'."
+        )
     if transport == "auto":
-        backend = jax.devices()[0].platform
-        return "direct" if one_process and backend in _DIRECT_BACKENDS else "collective"
+        backend = platforms.pop() if len(platforms) == 1 else None
+        return _AUTO_ONE_PROCESS.get(backend, "collective") if one_process else "collective"
     return transport
