@@ -586,16 +586,21 @@ def _check_numbers(values: Any, arg: str) -> dict[str, float]:
 
 
 def draw_comparison(bytes_by_method: Mapping[str, float], seconds_by_method: Mapping[str, float] | None = None, *,
-                    baseline: str | None = None, title: str | None = None) -> Figure:
+                    nvlink_bytes_by_method: Mapping[str, float] | None = None, baseline: str | None = None,
+                    title: str | None = None) -> Figure:
     """Bars of bytes moved (and predicted seconds) per method, with ratios to a baseline.
 
     Takes plain numbers, so any cost model's output fits, for example
     ``{'jreshard': ..., 'flat direct sends': ..., 'gather-then-broadcast': ...}``.
-    Bars carry the gid ``'bytes:<method>'`` / ``'seconds:<method>'``.
+    Bars carry the gid ``'bytes:<method>'``, ``'nvlink:<method>'`` or
+    ``'seconds:<method>'``; ratios divide by the baseline's value (network bytes
+    for the bytes panel).
 
     Args:
       bytes_by_method: method name -> bytes moved over the network.
       seconds_by_method: optional method name -> predicted seconds (same names).
+      nvlink_bytes_by_method: optional method name -> bytes moved inside NVLink
+        domains, stacked after the network bytes (hatched).
       baseline: the method the ratios divide by (default: the first one).
       title: the figure title.
 
@@ -604,48 +609,68 @@ def draw_comparison(bytes_by_method: Mapping[str, float], seconds_by_method: Map
 
     Raises:
       TypeError: an argument is not a non-empty mapping of numbers.
-      ValueError: a value is negative or not finite, the two mappings name different
+      ValueError: a value is negative or not finite, the mappings name different
         methods, or ``baseline`` is not one of them.
     """
     nbytes = _check_numbers(bytes_by_method, "bytes_by_method")
-    panels = [("bytes", nbytes, _bytes_label)]
-    if seconds_by_method is not None:
-        seconds = _check_numbers(seconds_by_method, "seconds_by_method")
-        if set(seconds) != set(nbytes):
-            raise ValueError(
-                f"seconds_by_method names {sorted(seconds)} but bytes_by_method names {sorted(nbytes)}; "
-                "give both for the same methods."
-            )
-        panels.append(("seconds", {m: seconds[m] for m in nbytes}, _seconds_label))
     methods = list(nbytes)
+    seconds = _same_methods(seconds_by_method, "seconds_by_method", methods)
+    nvlink = _same_methods(nvlink_bytes_by_method, "nvlink_bytes_by_method", methods)
     base = methods[0] if baseline is None else baseline
     if base not in nbytes:
         raise ValueError(f"baseline {baseline!r} is not one of the methods {methods}.")
-    fig = _new_figure((5.0 * len(panels) + 1.5, 0.55 * len(methods) + 1.8))
+    panels = [("bytes", nbytes, _bytes_label)] + ([("seconds", seconds, _seconds_label)] if seconds else [])
+    fig = _new_figure((5.6 * len(panels) + 1.5, 0.55 * len(methods) + 1.8))
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
     palette = matplotlib.colormaps["tab10"]
+    colors = [palette(i % 10) for i in range(len(methods))]
+    ys = np.arange(len(methods))
     for ax, (kind, values, fmt) in zip(axes, panels, strict=True):
-        ys = np.arange(len(methods))
         widths = [values[m] for m in methods]
-        bars = ax.barh(ys, widths, color=[palette(i % 10) for i in range(len(methods))])
+        bars = ax.barh(ys, widths, color=colors)
         for patch, m in zip(bars.patches, methods, strict=True):
             patch.set_gid(f"{kind}:{m}")
-        top = max(widths) or 1.0
+        extra = {m: 0.0 for m in methods}
+        if kind == "bytes" and nvlink:
+            extra = nvlink
+            stacked = ax.barh(ys, [nvlink[m] for m in methods], left=widths, color=colors, alpha=0.35,
+                              hatch="//", edgecolor="0.3")
+            for patch, m in zip(stacked.patches, methods, strict=True):
+                patch.set_gid(f"nvlink:{m}")
+        top = max(values[m] + extra[m] for m in methods) or 1.0
         ref = values[base]
         for y, m in zip(ys, methods, strict=True):
-            ratio = f" ({values[m] / ref:.2f}x)" if ref else ""
-            ax.text(values[m] + top * 0.01, y, fmt(values[m]) + ratio, va="center", fontsize=8)
+            text = fmt(values[m]) + (f" ({values[m] / ref:.2f}x)" if ref else "")
+            if kind == "bytes" and nvlink:
+                text += f" + {fmt(nvlink[m])} NVLink"
+            ax.text(values[m] + extra[m] + top * 0.01, y, text, va="center", fontsize=8)
         ax.set_yticks(ys, methods, fontsize=8)
         ax.invert_yaxis()
-        ax.set_xlim(0, top * 1.45)
+        ax.set_xlim(0, top * (1.75 if kind == "bytes" and nvlink else 1.45))
         if kind == "bytes":
-            _bytes_axis(ax.xaxis, top * 1.45)
+            _bytes_axis(ax.xaxis, ax.get_xlim()[1])
         else:
             ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos, f=fmt: f(v) if v > 0 else "0"))
         ax.tick_params(axis="x", labelsize=7)
-        ax.set_title("bytes over the network" if kind == "bytes" else "predicted time", fontsize=9)
+        if kind == "bytes":
+            ax.set_title("bytes over the network" + (" (+ inside NVLink domains, hatched)" if nvlink else ""),
+                         fontsize=9)
+        else:
+            ax.set_title("predicted time", fontsize=9)
     fig.suptitle(title if title is not None else f"ratios relative to {base}", fontsize=10)
     return fig
+
+
+def _same_methods(values: Mapping[str, float] | None, arg: str, methods: list[str]) -> dict[str, float] | None:
+    if values is None:
+        return None
+    checked = _check_numbers(values, arg)
+    if set(checked) != set(methods):
+        raise ValueError(
+            f"{arg} names {sorted(checked)} but bytes_by_method names {sorted(methods)}; "
+            "give both for the same methods."
+        )
+    return {m: checked[m] for m in methods}
 
 
 def draw_sweep(x: Sequence[Any], bytes_by_method: Mapping[str, Sequence[float]],

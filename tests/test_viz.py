@@ -218,6 +218,19 @@ def test_draw_comparison_bars_and_ratios():
     assert png_bytes(fig).startswith(b"\x89PNG")
 
 
+def test_draw_comparison_stacks_nvlink_bytes_after_network_bytes():
+    net = {"jreshard": 1 << 30, "gather-then-broadcast": 1 << 30}
+    nvl = {"jreshard": 0, "gather-then-broadcast": 3 << 30}
+    fig = viz.draw_comparison(net, nvlink_bytes_by_method=nvl)
+    ax = fig.axes[0]
+    stacked = {b.get_gid(): (b.get_x(), b.get_width()) for b in gids(ax, "nvlink:")}
+    assert stacked == {"nvlink:jreshard": (1 << 30, 0), "nvlink:gather-then-broadcast": (1 << 30, 3 << 30)}
+    assert [t.get_text() for t in ax.texts] == ["1.00 GiB (1.00x) + 0 B NVLink", "1.00 GiB (1.00x) + 3.00 GiB NVLink"]
+    assert "NVLink" in ax.get_title()
+    with pytest.raises(ValueError, match=r"nvlink_bytes_by_method names \['jreshard'\]"):
+        viz.draw_comparison(net, nvlink_bytes_by_method={"jreshard": 1})
+
+
 def test_draw_sweep_lines():
     x = [1, 2, 4, 8]
     nbytes = {"jreshard": [1e9, 2e9, 3e9, 4e9], "gather-then-broadcast": [8e9, 8e9, 8e9, 8e9]}
