@@ -1,0 +1,223 @@
+"""The torch.distributed side shared by senders and receivers (imports torch, never jax).
+
+Protocol of one sync, every rank of the group taking part:
+
+1. Handshake: one ``all_gather`` of a small int64 header per rank (magic, role,
+   status, version, the plan's 32-byte fingerprint). A rank whose own checks
+   failed sends a non-zero status; fingerprints or versions that differ raise
+   ``PlanMismatchError`` on every rank before any data moves.
+2. Buckets: per bucket every rank posts one ``batch_isend_irecv`` with one
+   contiguous uint8 buffer per peer. Buffers come from two arenas per side, so
+   the sender packs bucket b+1 while bucket b is on the wire and the receiver
+   unpacks bucket b while bucket b+1 arrives.
+3. Ack: one ``all_reduce(MIN)`` of an ok flag; receivers commit only when every
+   rank got everything. Every wait is bounded by ``timeout``.
+
+After a ``SyncError`` the process group is unusable (gloo closes the pairs of a
+timed-out operation): destroy it and create a new one before the next sync.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from bridge._plan import BridgePlan, Message
+
+__all__ = ["SyncError", "PlanMismatchError", "init_group", "run_sync", "torch_dtype", "TORCH_DTYPES"]
+
+log = logging.getLogger("bridge")
+
+MAGIC = 0x6A72_6573  # "jres"
+SENDER, RECEIVER = 1, 2
+
+TORCH_DTYPES = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64,
+    "int32": torch.int32, "int64": torch.int64, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
+}
+
+
+class SyncError(RuntimeError):
+    """A sync failed (a peer died, stalled or rejected it); the receivers' weights are unchanged."""
+
+
+class PlanMismatchError(SyncError):
+    """The ranks computed different plans or model metadata; nothing was sent."""
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return TORCH_DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype {name!r} has no torch equivalent here; use one of {sorted(TORCH_DTYPES)}.") from None
+
+
+def init_group(rank: int, world_size: int, *, port: int, host: str = "127.0.0.1", backend: str = "gloo",
+               timeout: float = 60.0) -> dist.ProcessGroup:
+    """Creates the default process group of trainer and inference processes (TCP rendezvous).
+
+    Rank 0 hosts the rendezvous store. ``timeout`` (seconds) bounds every collective.
+    Returns ``torch.distributed.group.WORLD``.
+    """
+    for arg, v in (("rank", rank), ("world_size", world_size), ("port", port)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{arg} must be a non-negative int, got {v!r}.")
+    if not rank < world_size:
+        raise ValueError(f"rank {rank} must be below world_size {world_size}.")
+    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout))
+    return dist.group.WORLD
+
+
+def _group_ranks(group: dist.ProcessGroup | None) -> list[int]:
+    if not dist.is_initialized():
+        raise SyncError("torch.distributed is not initialised; call bridge.init_group(...) or "
+                        "torch.distributed.init_process_group(...) first.")
+    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+
+
+def _header(role: int, status: int, version: int, fingerprint: bytes) -> torch.Tensor:
+    fp = np.frombuffer(fingerprint, dtype=np.int64)
+    return torch.tensor([MAGIC, role, status, version, *fp.tolist()], dtype=torch.int64)
+
+
+def _wait(work, timeout: float, what: str, rank: int) -> None:
+    try:
+        work.wait(datetime.timedelta(seconds=timeout))
+    except Exception as e:  # gloo reports a dead peer, a closed pair or a timeout as RuntimeError
+        raise SyncError(f"rank {rank}: {what} failed within the {timeout:g} s timeout: {e}") from e
+
+
+def _handshake(plan: BridgePlan, rank: int, ranks: list[int], group, role: int, status: int, version: int,
+               timeout: float) -> int:
+    mine = _header(role, status, version, plan.fingerprint)
+    out = [torch.empty_like(mine) for _ in ranks]
+    _wait(dist.all_gather(out, mine, group=group, async_op=True), timeout, "the handshake", rank)
+    rows = {r: t.tolist() for r, t in zip(ranks, out, strict=True)}
+    bad = [r for r, h in rows.items() if h[0] != MAGIC]
+    if bad:
+        raise PlanMismatchError(f"rank {rank}: ranks {bad} do not speak the bridge protocol (wrong header).")
+    failed = [r for r, h in rows.items() if h[2] != 0]
+    if failed:
+        raise SyncError(f"rank {rank}: ranks {failed} rejected the sync before any data moved; see their errors.")
+    prints: dict[bytes, list[int]] = {}
+    for r, h in rows.items():
+        prints.setdefault(np.array(h[4:], dtype=np.int64).tobytes(), []).append(r)
+    if len(prints) > 1:
+        groups = "; ".join(f"ranks {rs}: {fp.hex()[:16]}" for fp, rs in prints.items())
+        raise PlanMismatchError(
+            f"rank {rank}: the ranks computed different sync plans ({groups}); nothing was sent. Build the "
+            "Source, Mapping and bucket_bytes from the same model config, mesh and ranks on every process."
+        )
+    versions = {h[3] for h in rows.values() if h[1] == SENDER}
+    if len(versions) != 1:
+        raise PlanMismatchError(f"rank {rank}: the trainer ranks sent different versions {sorted(versions)}.")
+    roles = {r: h[1] for r, h in rows.items()}
+    for r in plan.source.ranks:
+        if roles.get(r) != SENDER:
+            raise PlanMismatchError(f"rank {rank}: rank {r} holds trainer shards but did not join as a sender.")
+    for r in plan.mapping.ranks:
+        if roles.get(r) != RECEIVER:
+            raise PlanMismatchError(f"rank {rank}: rank {r} has targets but did not join as a receiver.")
+    return versions.pop()
+
+
+def _ack(ok: bool, rank: int, group, timeout: float) -> bool:
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+    _wait(dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group, async_op=True), timeout, "the final ack", rank)
+    return bool(flag.item())
+
+
+def _progress(enabled: bool | None, total: int, rank: int):
+    if enabled is None:
+        enabled = total > (1 << 30) and sys.stderr.isatty()
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc=f"bridge sync rank {rank}", leave=False)
+
+
+def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, status: int, timeout: float,
+             pack: Callable[[Message, torch.Tensor], None], unpack: Callable[[Message, torch.Tensor], None],
+             progress: bool | None = None) -> int:
+    """Runs the protocol for one rank; returns the agreed version. Raises SyncError on any failure."""
+    ranks = _group_ranks(group)
+    if rank not in ranks:
+        raise SyncError(f"rank {rank} is not in the process group (ranks {ranks}).")
+    needed = set(plan.source.ranks) | set(plan.mapping.ranks)
+    if set(ranks) != needed:
+        raise ValueError(
+            f"the process group has ranks {ranks} but the plan involves ranks {sorted(needed)}; pass a "
+            "group of exactly the trainer and inference ranks (torch.distributed.new_group)."
+        )
+    start = time.perf_counter()
+    version = _handshake(plan, rank, ranks, group, role, status, version, timeout)
+    arena = [[None, None], [None, None]]  # [send|recv][parity] uint8 buffers of bucket_bytes
+
+    def buffers(kind: int, b: int, msgs: list[Message]) -> list[torch.Tensor]:
+        total = sum(m.nbytes for m in msgs)
+        buf = arena[kind][b % 2]
+        if buf is None or buf.numel() < total:
+            buf = arena[kind][b % 2] = torch.empty(max(total, 1), dtype=torch.uint8)
+        out, off = [], 0
+        for m in msgs:
+            out.append(buf[off:off + m.nbytes])
+            off += m.nbytes
+        return out
+
+    def prepare(b: int):
+        sends, recvs = plan.sends(rank, b), plan.recvs(rank, b)
+        sbufs = buffers(0, b, sends)
+        for m, buf in zip(sends, sbufs, strict=True):
+            pack(m, buf)
+        return sends, sbufs, recvs, buffers(1, b, recvs)
+
+    def post(state):
+        sends, sbufs, recvs, rbufs = state
+        ops = [dist.P2POp(dist.isend, buf, m.dst, group) for m, buf in zip(sends, sbufs, strict=True)]
+        ops += [dist.P2POp(dist.irecv, buf, m.src, group) for m, buf in zip(recvs, rbufs, strict=True)]
+        return dist.batch_isend_irecv(ops) if ops else []
+
+    bar = _progress(progress, sum(m.nbytes for m in plan.messages if rank in (m.src, m.dst)), rank)
+    ok = False
+    try:
+        nb = plan.num_buckets
+        state = prepare(0) if nb else None
+        works = post(state) if nb else []
+        for b in range(nb):
+            nxt = prepare(b + 1) if b + 1 < nb else None
+            peers = [m.dst for m in state[0]] + [m.src for m in state[2]]
+            for w, peer in zip(works, peers, strict=True):
+                _wait(w, timeout, f"bucket {b + 1}/{nb} with peer rank {peer}", rank)
+            works = post(nxt) if nxt is not None else []
+            for m, buf in zip(state[2], state[3], strict=True):
+                unpack(m, buf)
+            if bar is not None:
+                bar.update(sum(m.nbytes for m in state[0] + state[2]))
+            state = nxt
+        ok = True
+    finally:
+        if bar is not None:
+            bar.close()
+        if not ok:
+            # Tell the others quickly (best effort: the group may already be broken).
+            try:
+                _ack(False, rank, group, min(timeout, 5.0))
+            except SyncError:
+                pass
+    if not _ack(True, rank, group, timeout):
+        raise SyncError(f"rank {rank}: another rank failed during the sync; nothing was committed.")
+    elapsed = time.perf_counter() - start
+    nbytes = sum(m.nbytes for m in plan.messages if rank in (m.src, m.dst))
+    log.info("rank %d synced version %d: %s bytes in %d buckets, %.3f s (%.2f GB/s, pid %d)",
+             rank, version, f"{nbytes:,}", plan.num_buckets, elapsed, nbytes / max(elapsed, 1e-9) / 1e9, os.getpid())
+    return version

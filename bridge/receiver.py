@@ -1,0 +1,177 @@
+"""The inference side: receive this rank's slices straight into torch parameters (torch only).
+
+Example (every inference process; the trainers run ``bridge.sender.Sender``):
+
+    group = bridge.init_group(rank, world_size, port=port)
+    source = bridge.Source.build(param_shapes(cfg), bridge.trainer_mesh((4,), "fsdp", [0, 1], 2), fsdp_spec)
+    plan = bridge.BridgePlan(source, bridge.llama_mapping(cfg, source, tp_ranks=[2, 3], fused=True))
+    receiver = bridge.Receiver(plan, local_params, rank=rank)
+    version = receiver.sync()            # blocks until every bucket arrived, then commits
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping as MappingABC
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bridge._mapping import Mapping, dtensor_targets
+from bridge._plan import BridgePlan, Message
+from bridge._source import Source
+from bridge._wire import RECEIVER, SyncError, run_sync, torch_dtype
+
+__all__ = ["Receiver", "dtensor_mapping"]
+
+log = logging.getLogger("bridge")
+
+
+def _local(t: Any) -> torch.Tensor:
+    """The tensor to write: a DTensor's local shard, a Parameter's data, or the tensor itself."""
+    if hasattr(t, "to_local") and hasattr(t, "placements"):
+        t = t._local_tensor  # to_local() may return a new autograd view; write the storage itself
+    if isinstance(t, torch.nn.Parameter):
+        t = t.data
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, Parameter or DTensor, got {type(t).__name__}.")
+    return t
+
+
+def dtensor_mapping(source: Source, params: MappingABC[str, tuple[Any, str, Any]]) -> Mapping:
+    """Targets for DTensor parameters: ``{name: (dtensor, leaf path, transpose)}``.
+
+    Each DTensor's ``device_mesh`` and ``placements`` give every rank's shard (torch
+    chunk rules), so this rank can plan the whole sync. Trainer processes, which hold
+    no DTensors, build the same mapping with ``bridge.dtensor_targets``.
+    """
+    out = Mapping(())
+    for name, (dt, leaf, transpose) in params.items():
+        if not hasattr(dt, "device_mesh"):
+            raise TypeError(f"params[{name!r}] must hold a DTensor first, got {type(dt).__name__}.")
+        dtype = str(dt.dtype).removeprefix("torch.")
+        out = out + dtensor_targets(name, source, leaf, dt.device_mesh.mesh, dt.placements,
+                                    transpose=transpose, dtype=dtype)
+    return out
+
+
+class Receiver:
+    """Receives syncs into this rank's torch parameters.
+
+    Args:
+      plan: the sync plan (the same on every rank).
+      params: this rank's parameters by torch name (tensors, Parameters or DTensors); every
+        target of this rank must be present with its local shape and dtype.
+      rank: this process's global torch rank (default: ``torch.distributed.get_rank()``).
+      atomic: receive into a shadow copy of the targets and commit (copy into the parameters)
+        only when every rank got everything; ``False`` writes in place as buckets arrive
+        (no extra memory, but a failed sync leaves a mix of old and new weights and
+        ``consistent`` becomes False until the next successful sync).
+      timeout: seconds any single wait may take before the sync fails.
+      progress: show a tqdm bar (``None``: for syncs over 1 GiB on a terminal).
+
+    Attributes:
+      version: the training step of the weights now in ``params`` (``None`` before the first sync).
+    """
+
+    def __init__(self, plan: BridgePlan, params: MappingABC[str, Any], *, rank: int | None = None,
+                 atomic: bool = True, timeout: float = 60.0, progress: bool | None = None) -> None:
+        if not isinstance(plan, BridgePlan):
+            raise TypeError(f"plan must be a bridge.BridgePlan, got {type(plan).__name__}.")
+        if rank is None:
+            if not dist.is_initialized():
+                raise ValueError("rank is None and torch.distributed is not initialised; pass rank=.")
+            rank = dist.get_rank()
+        targets = plan.mapping.for_rank(rank)
+        if not targets:
+            raise ValueError(f"rank {rank} has no targets in the plan (its ranks are {plan.mapping.ranks}).")
+        tensors = {}
+        for t in targets:
+            if t.name not in params:
+                raise ValueError(
+                    f"params lacks {t.name!r}, which the mapping assigns to rank {rank}; pass every "
+                    f"parameter of this rank (it expects {len(targets)}, e.g. {[x.name for x in targets[:3]]})."
+                )
+            local = _local(params[t.name])
+            want = torch_dtype(t.dtype)
+            if tuple(local.shape) != t.shape or local.dtype != want:
+                raise ValueError(
+                    f"params[{t.name!r}] on rank {rank} is {tuple(local.shape)} {local.dtype}, but the mapping "
+                    f"expects its local shard {t.shape} {want}; build the mapping with this rank's TP degree, "
+                    "padding and dtype."
+                )
+            if not local.is_contiguous():
+                raise ValueError(f"params[{t.name!r}] must be contiguous.")
+            tensors[t.name] = local
+        self.plan, self.rank, self.atomic, self.timeout, self.progress = plan, rank, atomic, timeout, progress
+        self.params = tensors
+        self.version: int | None = None
+        self.consistent = True
+        self._shadow: dict[str, torch.Tensor] | None = None
+        # Targets the sync writes only partly (padded rows): the shadow must start as a copy.
+        covered = {t.name: sum(_volume(r.shape) for r in t.regions) for t in targets}
+        self._partial = {t.name for t in targets if covered[t.name] < _volume(t.shape)}
+        self._unpack_plan = self._compile()
+
+    def _compile(self) -> dict[tuple[int, int], list[tuple]]:
+        out: dict[tuple[int, int], list[tuple]] = {}
+        for m in self.plan.messages:
+            if m.dst != self.rank:
+                continue
+            steps = []
+            for i, off in m.items:
+                t = self.plan.transfers[i]
+                box, perm = self.plan.dst_region(t)
+                shape = tuple(b - a for a, b in t.box)
+                dtype = torch_dtype(self.plan.target(t.target, t.dst).dtype)
+                steps.append((t.target, box, perm, off, t.nbytes, shape, dtype))
+            out[(m.bucket, m.src)] = steps
+        return out
+
+    def _unpack(self, into: dict[str, torch.Tensor], m: Message, buf: torch.Tensor) -> None:
+        for name, box, perm, off, n, shape, dtype in self._unpack_plan[(m.bucket, m.src)]:
+            piece = buf[off:off + n].view(dtype).view(shape)
+            into[name][box].copy_(piece.permute(perm))
+
+    def sync(self, group: dist.ProcessGroup | None = None) -> int:
+        """Receives one sync; returns its version (the trainers' step).
+
+        Raises:
+          PlanMismatchError: the ranks' plans differ (nothing moved, weights unchanged).
+          SyncError: a peer died, stalled past ``timeout`` or failed; with ``atomic=True``
+            the weights and ``version`` are unchanged. Recreate the process group, then retry.
+        """
+        if self.atomic:
+            if self._shadow is None:
+                self._shadow = {k: torch.empty_like(v) for k, v in self.params.items()}
+            for name in self._partial:
+                self._shadow[name].copy_(self.params[name])
+            into = self._shadow
+        else:
+            into = self.params
+            self.consistent = False
+        version = run_sync(self.plan, self.rank, group, role=RECEIVER, version=-1, status=0, timeout=self.timeout,
+                           pack=_no_pack, unpack=lambda m, buf: self._unpack(into, m, buf), progress=self.progress)
+        if self.atomic:
+            with torch.no_grad():
+                for name, dst in self.params.items():
+                    dst.copy_(self._shadow[name])
+        self.consistent = True
+        self.version = version
+        return version
+
+    def release_staging(self) -> None:
+        """Frees the shadow copy (it is rebuilt on the next atomic sync)."""
+        self._shadow = None
+
+
+def _volume(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _no_pack(m: Message, buf: torch.Tensor) -> None:
+    raise SyncError(f"a receiver was asked to send (message {m}); the plan is inconsistent.")

@@ -1,0 +1,185 @@
+"""The trainer side: export addressable JAX shards (DLPack) and send each rank its slices.
+
+Import this module in trainer processes only: it imports jax (lazily, on first
+use). Each trainer process is one torch rank; its JAX devices are source ids
+``bridge.source_id(rank, local)`` with ``local`` the device's position among the
+process's devices in device-id order.
+
+Example (every trainer process):
+
+    group = bridge.init_group(rank, world_size, port=port)
+    source = describe(params, trainer_ranks=[0, 1])      # or Source.build(...) from the config
+    plan = bridge.BridgePlan(source, bridge.llama_mapping(cfg, source, tp_ranks=[2, 3], fused=True))
+    sender = Sender(plan, rank=rank)
+    sender.sync(params, version=step)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from jreshard import Layout, Mesh
+
+from bridge._plan import BridgePlan, Message
+from bridge._source import Source, source_id
+from bridge._wire import SENDER, SyncError, run_sync, torch_dtype
+
+__all__ = ["Sender", "describe", "flatten_params"]
+
+log = logging.getLogger("bridge")
+
+
+def flatten_params(params: Any) -> dict[str, Any]:
+    """``{'/'-joined key path: leaf}`` of a jax pytree (dict keys, sequence indices, attributes)."""
+    import jax
+
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        keys = []
+        for k in path:
+            keys.append(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))))
+        out["/".join(keys)] = leaf
+    return out
+
+
+def _source_ids(trainer_ranks: Sequence[int]) -> dict[int, int]:
+    """JAX device id -> source id, for every device of every process."""
+    import jax
+
+    by_process: dict[int, list[int]] = {}
+    for d in jax.devices():
+        by_process.setdefault(d.process_index, []).append(d.id)
+    if len(by_process) != len(trainer_ranks):
+        raise ValueError(
+            f"trainer_ranks {list(trainer_ranks)} names {len(trainer_ranks)} processes but JAX has "
+            f"{len(by_process)}; give one torch rank per JAX process, in process-index order."
+        )
+    out = {}
+    for p, ids in by_process.items():
+        for local, dev in enumerate(sorted(ids)):
+            out[dev] = source_id(int(trainer_ranks[p]), local)
+    return out
+
+
+def describe(params: Any, trainer_ranks: Sequence[int]) -> Source:
+    """The ``Source`` of a pytree of sharded jax arrays (NamedSharding leaves).
+
+    Args:
+      params: the trainer's parameters.
+      trainer_ranks: the torch rank of each JAX process, in ``jax.process_index()`` order.
+    """
+    ids = _source_ids(trainer_ranks)
+    leaves = {}
+    for path, x in flatten_params(params).items():
+        sharding = getattr(x, "sharding", None)
+        mesh = getattr(sharding, "mesh", None)
+        if mesh is None or not hasattr(sharding, "spec"):
+            raise TypeError(f"params leaf {path!r} must be a jax.Array with a NamedSharding, got {type(x).__name__}.")
+        mesh_ids = Mesh(np.vectorize(lambda d: ids[d.id], otypes=[np.int64])(mesh.devices), tuple(mesh.axis_names))
+        leaves[path] = Layout(tuple(x.shape), mesh_ids, tuple(sharding.spec), x.dtype.name)
+    return Source(leaves)
+
+
+class Sender:
+    """Sends syncs from this trainer process's JAX shards.
+
+    Args:
+      plan: the sync plan (the same on every rank).
+      rank: this process's global torch rank (default: ``torch.distributed.get_rank()``).
+      timeout: seconds any single wait may take before the sync fails.
+      progress: show a tqdm bar (``None``: for syncs over 1 GiB on a terminal).
+    """
+
+    def __init__(self, plan: BridgePlan, *, rank: int | None = None, timeout: float = 60.0,
+                 progress: bool | None = None) -> None:
+        if not isinstance(plan, BridgePlan):
+            raise TypeError(f"plan must be a bridge.BridgePlan, got {type(plan).__name__}.")
+        if rank is None:
+            if not dist.is_initialized():
+                raise ValueError("rank is None and torch.distributed is not initialised; pass rank=.")
+            rank = dist.get_rank()
+        if rank not in plan.source.ranks:
+            raise ValueError(f"rank {rank} holds no trainer shards in the plan (trainer ranks {plan.source.ranks}).")
+        self.plan, self.rank, self.timeout, self.progress = plan, rank, timeout, progress
+        steps: dict[tuple[int, int], list[tuple]] = {}
+        for m in plan.messages:
+            if m.src == rank:
+                steps[(m.bucket, m.dst)] = [
+                    (plan.transfers[i].source, plan.transfers[i].src, plan.src_region(plan.transfers[i]), off,
+                     plan.transfers[i].nbytes, tuple(b - a for a, b in plan.transfers[i].box),
+                     torch_dtype(plan.target(plan.transfers[i].target, plan.transfers[i].dst).dtype))
+                    for i, off in m.items
+                ]
+        self._pack_plan = steps
+
+    def _shards(self, params: Any) -> dict[tuple[str, int], torch.Tensor]:
+        """Zero-copy torch views of this process's shards, keyed by (leaf path, source id); checks layouts."""
+        import jax
+
+        flat = flatten_params(params)
+        missing = [p for p in self.plan.source.paths if p not in flat]
+        if missing:
+            raise ValueError(f"params lacks trainer leaves {missing[:5]} that the plan reads; pass the whole tree.")
+        local = sorted(jax.local_devices(), key=lambda d: d.id)
+        sid = {d.id: source_id(self.rank, i) for i, d in enumerate(local)}
+        out = {}
+        for path in self.plan.source.paths:
+            x, layout = flat[path], self.plan.source.layout(path)
+            if tuple(x.shape) != layout.shape or (layout.dtype and x.dtype.name != layout.dtype):
+                raise ValueError(
+                    f"params[{path!r}] is {tuple(x.shape)} {x.dtype}, but the plan's source says "
+                    f"{layout.shape} {layout.dtype}; build the Source from these params (bridge.sender.describe)."
+                )
+            for shard in x.addressable_shards:
+                dev = sid[shard.device.id]
+                if dev not in layout.mesh:
+                    continue
+                want = layout.shard_box(dev)
+                got = tuple(slice(*s.indices(n)[:2]) for s, n in zip(shard.index, layout.shape, strict=True))
+                if want != got:
+                    raise ValueError(
+                        f"params[{path!r}]: device {shard.device} (source id {dev}) holds {got}, but the plan's "
+                        f"source layout {layout!r} gives it {want}; describe the source from the live arrays."
+                    )
+                out[(path, dev)] = torch.from_dlpack(shard.data)
+        return out
+
+    def _pack(self, shards: dict, m: Message, buf: torch.Tensor) -> None:
+        for path, dev, region, off, n, shape, dtype in self._pack_plan[(m.bucket, m.dst)]:
+            # copy_ casts while packing, so only the target dtype's bytes cross the wire.
+            buf[off:off + n].view(dtype).view(shape).copy_(shards[(path, dev)][region])
+
+    def sync(self, params: Any, version: int, group: dist.ProcessGroup | None = None) -> int:
+        """Sends one sync of ``params`` tagged ``version`` (the training step); returns it.
+
+        Raises:
+          PlanMismatchError: the ranks' plans differ (nothing moved).
+          SyncError: a peer died, stalled past ``timeout`` or failed; recreate the group, then retry.
+        """
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"version must be a non-negative int (the training step), got {version!r}.")
+        status, error = 0, None
+        try:
+            shards = self._shards(params)
+        except (ValueError, TypeError) as e:
+            status, error, shards = 1, e, {}
+        if error is not None:
+            # Join the handshake so every rank learns this one rejected the sync, then raise the cause.
+            try:
+                run_sync(self.plan, self.rank, group, role=SENDER, version=version, status=status,
+                         timeout=self.timeout, pack=lambda m, b: None, unpack=lambda m, b: None)
+            except SyncError:
+                pass
+            raise error
+        return run_sync(self.plan, self.rank, group, role=SENDER, version=version, status=0, timeout=self.timeout,
+                        pack=lambda m, buf: self._pack(shards, m, buf), unpack=_no_unpack, progress=self.progress)
+
+
+def _no_unpack(m: Message, buf: torch.Tensor) -> None:
+    raise SyncError(f"a sender was asked to receive (message {m}); the plan is inconsistent.")

@@ -1,0 +1,78 @@
+"""Shared by the bridge tests and their worker processes: configs, data and references."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jreshard.nn import LlamaConfig, param_shapes
+
+TRAINERS = (0, 1)  # torch ranks of the JAX processes (2 simulated devices each, FSDP over 4)
+RECEIVERS = (2, 3)  # torch ranks of the inference processes (TP2)
+WORLD = 4
+VOCAB = 1000  # padded to 1024 by vocab_pad=64: TP rank 1 holds 488 real rows and 24 padding rows
+E2E_VOCAB_PAD = 384  # llama-tiny's 1024 rows padded to 1152: TP rank 1 holds 448 real rows + 128 padding
+
+
+def small_config() -> LlamaConfig:
+    return LlamaConfig.load("llama-tiny", vocab_size=VOCAB, num_hidden_layers=2)
+
+
+def tiny_config() -> LlamaConfig:
+    return LlamaConfig.load("llama-tiny")
+
+
+def make_arrays(config: LlamaConfig, seed: int) -> dict[str, np.ndarray]:
+    """Deterministic global float32 leaves (the same on every process)."""
+    rng = np.random.default_rng(seed)
+    return {p: rng.standard_normal(s, dtype=np.float32) for p, s in sorted(param_shapes(config).items())}
+
+
+def tokens(config: LlamaConfig, batch: int = 2, seq: int = 16) -> np.ndarray:
+    return np.random.default_rng(123).integers(0, config.vocab_size, (batch, seq)).astype(np.int32)
+
+
+def vllm_shards(arrays: dict[str, np.ndarray], config: LlamaConfig, tp: int, *, fused: bool,
+                vocab_pad: int) -> list[dict[str, np.ndarray]]:
+    """Every TP rank's Hugging Face-named local tensors, sliced the way vLLM shards Llama (the oracle).
+
+    Written independently of bridge's mapping code: full torch weights first, then slices.
+    """
+    c = config
+    full = {"model.embed_tokens.weight": arrays["embed/embedding"], "model.norm.weight": arrays["final_norm/scale"]}
+    full["lm_head.weight"] = arrays["embed/embedding" if c.tie_word_embeddings else "lm_head/kernel"]
+    if not c.tie_word_embeddings:
+        full["lm_head.weight"] = full["lm_head.weight"].T
+    for i in range(c.num_hidden_layers):
+        j, h = f"layers_{i}/", f"model.layers.{i}."
+        for n in "qkvo":
+            full[h + f"self_attn.{n}_proj.weight"] = arrays[j + f"attn/{n}_proj/kernel"].T
+        for n in ("gate", "up", "down"):
+            full[h + f"mlp.{n}_proj.weight"] = arrays[j + f"mlp/{n}_proj/kernel"].T
+        full[h + "input_layernorm.weight"] = arrays[j + "input_norm/scale"]
+        full[h + "post_attention_layernorm.weight"] = arrays[j + "post_attention_norm/scale"]
+    ranks: list[dict[str, np.ndarray]] = [{} for _ in range(tp)]
+    padded = -(-c.vocab_size // vocab_pad) * vocab_pad
+    for name, w in full.items():
+        for r in range(tp):
+            if name in ("model.embed_tokens.weight", "lm_head.weight"):
+                s = padded // tp
+                local = np.zeros((s, w.shape[1]), np.float32)
+                rows = w[r * s:(r + 1) * s]
+                local[: len(rows)] = rows
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                local = np.split(w, tp, axis=1)[r]
+            elif w.ndim == 2:
+                local = np.split(w, tp, axis=0)[r]
+            else:
+                local = w
+            ranks[r][name] = local
+    if fused:
+        for r in range(tp):
+            d = ranks[r]
+            for i in range(c.num_hidden_layers):
+                h = f"model.layers.{i}."
+                d[h + "self_attn.qkv_proj.weight"] = np.concatenate(
+                    [d.pop(h + f"self_attn.{n}_proj.weight") for n in "qkv"])
+                d[h + "mlp.gate_up_proj.weight"] = np.concatenate(
+                    [d.pop(h + f"mlp.{n}_proj.weight") for n in ("gate", "up")])
+    return ranks
