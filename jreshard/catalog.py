@@ -19,7 +19,7 @@ Example:
   >>> t = catalog.tensors("qwen3-32b")
   >>> len(t), round(catalog.num_params(t) / 1e9, 1)
   (707, 32.8)
-  >>> t[3].name, t[3].shape, t[3].role
+  >>> t[2].name, t[2].shape, t[2].role
   ('model.layers.0.self_attn.q_proj.weight', (8192, 5120), 'column')
 """
 

@@ -1,0 +1,145 @@
+"""Cost model arithmetic on toy topologies; hierarchical plans checked against the oracle."""
+
+from __future__ import annotations
+
+import doctest
+
+import numpy as np
+import pytest
+
+import jreshard
+from jreshard import Layout, Mesh, cost, reference
+from jreshard.cost import Topology, Traffic
+
+# 2 GPUs per domain, NVLink 100 GB/s, network 10 GB/s per direction.
+TOPO = Topology(gpus_per_domain=2, nvlink_GBps=100, network_GBps=10, latency_us=0)
+
+
+def test_alpha_beta_arithmetic():
+    topo = Topology(gpus_per_domain=2, nvlink_GBps=100, network_GBps=10, latency_us=1)
+    t = Traffic.zeros(0)
+    t.add_edges(np.array([0, 0, 3]), np.array([1, 2, 3]), np.array([1e9, 1e9, 5e9]), np.array([1, 1, 1]), topo)
+    assert t.nvl_out[0] == 1e9 and t.net_out[0] == 1e9 and t.net_in[2] == 1e9 and t.nvl_in[1] == 1e9
+    assert len(t.net_out) == 3  # the local copy on device 3 is free: it adds no load
+    p = cost.predict(t, topo)
+    assert p.seconds == pytest.approx(1e9 / 10e9 + 2 * 1e-6)  # device 0: network send plus two messages
+    assert p.bottleneck == "device 0 network send"
+    assert (p.network_bytes, p.nvlink_bytes, p.max_network_in_bytes) == (int(1e9), int(1e9), int(1e9))
+    both = p + p
+    assert both.seconds == pytest.approx(2 * p.seconds) and both.stages == (p.seconds, p.seconds)
+
+
+def test_plan_prediction_coalesces_messages_per_pair():
+    src = Layout((1000,), Mesh([0], "x"), (), dtype="uint8")
+    dst = Layout((1000,), Mesh([2, 3], "tp"), ("tp",), dtype="uint8")
+    topo = Topology(gpus_per_domain=2, nvlink_GBps=100, network_GBps=10, latency_us=1, bucket_bytes=200)
+    tr = cost.plan_traffic(jreshard.plan(src, dst), topo)
+    assert tr.msg_out[0] == 6  # two receivers, 500 bytes each in 200-byte buckets
+    assert cost.predict(tr, topo).seconds == pytest.approx(1000 / 10e9 + 6e-6)
+
+
+def test_gather_broadcast_by_hand():
+    src = {"w": Layout((1000,), Mesh([0, 1], "tp"), ("tp",), dtype="uint8")}
+    dst = {"w": Layout((1000,), Mesh([2, 3, 4, 5], "dp"), (), dtype="uint8")}
+    p = cost.gather_broadcast(src, dst, TOPO)
+    # Gather: device 1 sends 500 B to root 0 over NVLink. Broadcast chain 0 -> 2 -> 3 -> 4 -> 5:
+    # every network hop carries 1000 B at 10 GB/s, the NVLink hops are faster.
+    assert p.stages == pytest.approx((500 / 100e9, 1000 / 10e9))
+    assert p.network_bytes == 500 * 0 + 2000
+
+
+def test_flat_direct_versus_balanced():
+    src = {"w": Layout((1000,), Mesh([0, 1], "dp"), (), dtype="uint8")}
+    dst = {"w": Layout((1000,), Mesh([2, 3, 4, 5], "tp"), ("tp",), dtype="uint8")}
+    assert cost.flat_direct(src, dst, TOPO).seconds == pytest.approx(1000 / 10e9)  # all from device 0
+    assert cost.predict_plan(jreshard.plan(src, dst), TOPO).seconds == pytest.approx(500 / 10e9)
+
+
+def _full(shape):
+    return np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape)
+
+
+CASES = {
+    # dp=4 x tp=2 fleet, 4 GPUs per domain: two replicas per domain.
+    "tp2dp4": (Layout((8, 6), Mesh([0, 1], "fsdp"), ("fsdp",), "float32"),
+               Layout((8, 6), Mesh(np.arange(8, 16).reshape(4, 2), ("dp", "tp")), (None, "tp"), "float32")),
+    "uneven": (Layout((7, 5), Mesh([0, 1, 2], "fsdp"), ("fsdp",), "float32"),
+               Layout((7, 5), Mesh(np.arange(8, 16).reshape(4, 2), ("dp", "tp")), ("tp",), "float32")),
+    "replicated": (Layout((5,), Mesh([0, 1], "x"), ("x",), "float32"),
+                   Layout((5,), Mesh(np.arange(8, 16).reshape(4, 2), ("dp", "tp")), (), "float32")),
+    "scalar": (Layout((), Mesh([0], "x"), (), "float32"),
+               Layout((), Mesh(np.arange(8, 16).reshape(4, 2), ("dp", "tp")), (), "float32")),
+    "spanning": (Layout((8, 8), Mesh([0], "x"), (), "float32"),  # tp=8 spans two domains: direct
+                 Layout((8, 8), Mesh(np.arange(8, 24).reshape(2, 8), ("dp", "tp")), ("tp",), "float32")),
+    # tp outer, dp inner: each replica is devices {8+r, 12+r}, across both domains: direct.
+    "dp-not-outer": (Layout((6, 4), Mesh([0, 1], "fsdp"), ("fsdp",), "float32"),
+                     Layout((6, 4), Mesh(np.arange(8, 16).reshape(2, 4), ("tp", "dp")), ("tp",), "float32")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_hierarchical_plan_is_exact(case):
+    src, dst = CASES[case]
+    topo = Topology(gpus_per_domain=4, nvlink_GBps=100, network_GBps=10, latency_us=0)
+    tsp = cost.hierarchical_plan({"w": src}, {"w": dst}, topo)
+    full = _full(src.shape)
+    got: dict[int, np.ndarray] = {}
+    for name, tp1 in tsp.stage1.items():
+        tp1.check()
+        out1 = reference.execute(tp1, reference.shard(full, src))
+        if tsp.stage2 is not None and name in tsp.stage2.tensors:
+            tp2 = tsp.stage2[name]
+            tp2.check()
+            assert (topo.domain(tp2.move_src) == topo.domain(tp2.move_dst)).all()  # fan-out stays inside
+            out1 = reference.execute(tp2, out1)
+        got.update(out1)
+    assert sorted(got) == sorted(dst.mesh.device_ids)
+    for device, box in dst.shards().items():
+        np.testing.assert_array_equal(got[device], full[box], err_msg=f"{case} device {device}")
+    direct = jreshard.plan(src, dst).stats().network_bytes
+    s1 = tsp.stage1.stats().network_bytes
+    if case in ("spanning", "dp-not-outer"):
+        assert tsp.stage2 is None and s1 == direct
+    else:
+        # Each byte enters each of the two domains once instead of once per replica.
+        assert s1 * (dst.replication // 2) == direct
+
+
+def test_compare_decides():
+    src = {"w": Layout((4096, 64), Mesh([0, 1], "fsdp"), ("fsdp",), "float32")}
+    dst = {"w": Layout((4096, 64), Mesh(np.arange(8, 16).reshape(4, 2), ("dp", "tp")), ("tp",), "float32")}
+    slow_net = Topology(gpus_per_domain=4, nvlink_GBps=900, network_GBps=10, latency_us=10)
+    c = cost.compare(src, dst, slow_net)
+    assert c.delivery == "hierarchical" and c.hierarchical.seconds < c.direct.seconds
+    assert c.seconds()["jreshard"] == c.hierarchical.seconds
+    # One GPU per domain: no two replicas share a domain, so delivery is direct.
+    c1 = cost.compare(src, dst, Topology(gpus_per_domain=1, nvlink_GBps=900, network_GBps=10, latency_us=10))
+    assert c1.delivery == "direct" and c1.hierarchical is None
+    assert cost.compare(src, dst, slow_net, hierarchical="never").delivery == "direct"
+    # NVLink slower than the network: the fan-out costs more than it saves.
+    odd = Topology(gpus_per_domain=4, nvlink_GBps=1, network_GBps=100, latency_us=0)
+    assert cost.compare(src, dst, odd).delivery == "direct"
+    assert cost.compare(src, dst, odd, hierarchical="always").delivery == "hierarchical"
+
+
+def test_hardware_and_topology_errors():
+    assert cost.load_hardware("dgx-h100").gpus_per_domain == 8
+    assert Topology.from_hardware("gb200-nvl72", 4).gpus_per_domain == 4
+    with pytest.raises(ValueError, match="gpus_per_domain"):
+        cost.load_hardware({"gpus_per_domain": 0, "nvlink_GBps_per_direction": 1,
+                            "network_GBps_per_gpu_per_direction": 1, "latency_us": 1})
+    with pytest.raises(ValueError, match="latency_us"):
+        cost.load_hardware({"gpus_per_domain": 8, "nvlink_GBps_per_direction": 1,
+                            "network_GBps_per_gpu_per_direction": 1})
+    with pytest.raises(ValueError, match="neither a known name"):
+        cost.load_hardware("abacus")
+    with pytest.raises(ValueError, match="network_GBps"):
+        Topology(gpus_per_domain=8, nvlink_GBps=1, network_GBps=0, latency_us=0)
+    with pytest.raises(ValueError, match="hierarchical"):
+        cost.compare({}, {}, TOPO, hierarchical="sometimes")
+    with pytest.raises(ValueError, match="same tensor names"):
+        cost.flat_direct({"a": CASES["scalar"][0]}, {"b": CASES["scalar"][1]}, TOPO)
+
+
+def test_docstring_examples():
+    assert doctest.testmod(cost).failed == 0

@@ -1,0 +1,144 @@
+"""Parallelism presets: framework conventions on small cases, checked against the oracle."""
+
+from __future__ import annotations
+
+import doctest
+
+import numpy as np
+import pytest
+
+import jreshard
+from jreshard import catalog, presets
+from jreshard.presets import InferParallel, TrainParallel
+from tests._oracle import assert_plan_ok
+
+TINY = catalog.tensors("llama-tiny")
+Q = "model.layers.{}.self_attn.q_proj.weight"
+O = "model.layers.{}.self_attn.o_proj.weight"
+
+TINY_MOE = catalog.load_config({"model_type": "qwen3_moe", "name": "tiny-moe", "vocab_size": 64, "hidden_size": 16,
+                                "moe_intermediate_size": 8, "num_hidden_layers": 4, "num_attention_heads": 4,
+                                "num_key_value_heads": 2, "head_dim": 4, "num_experts": 4, "dtype": "float32"})
+
+
+def box(layout, device):
+    return tuple((s.start, s.stop) for s in layout.shard_box(device))
+
+
+def test_megatron_tp_pp_dp_rank_order():
+    src = presets.train_layouts(TINY, TrainParallel(tp=2, pp=2, dp=2), range(8))
+    q0 = src[Q.format(0)]  # [256, 256]; stage 0 = devices 0-3 as (dp, fsdp, cp, tp), tp innermost
+    assert q0.mesh.axis_names == ("dp", "fsdp", "cp", "tp") and q0.mesh.device_ids == (0, 1, 2, 3)
+    assert [box(q0, d) for d in range(4)] == [((0, 128), (0, 256)), ((128, 256), (0, 256))] * 2
+    o3 = src[O.format(3)]  # row parallel, last stage
+    assert o3.mesh.device_ids == (4, 5, 6, 7)
+    assert box(o3, 5) == ((0, 256), (128, 256))
+    assert set(src["model.embed_tokens.weight"].mesh.device_ids) == {0, 1, 2, 3}
+    assert set(src["lm_head.weight"].mesh.device_ids) == {4, 5, 6, 7}
+    assert src["model.norm.weight"].spec == ((),) and src["model.norm.weight"].mesh.device_ids[0] == 4
+    assert box(src["lm_head.weight"], 7) == ((512, 1024), (0, 256))  # vocab parallel
+
+
+def test_pipeline_stages_are_consecutive_and_even():
+    assert presets.stage_of_layers(61, 8) == sorted(presets.stage_of_layers(61, 8))
+    counts = np.bincount(presets.stage_of_layers(61, 8))
+    assert counts.max() - counts.min() <= 1 and counts.sum() == 61
+    with pytest.raises(ValueError, match="pp=9"):
+        presets.stage_of_layers(4, 9)
+
+
+def test_fsdp_leading_dim_major_tp_minor_not_collapsed():
+    # JAX-style FSDP x TP: fsdp (outer axis) shards dim 0 major, tp (inner axis) minor.
+    src = presets.train_layouts(TINY, TrainParallel(fsdp=2, tp=2), range(4))
+    q = src[Q.format(0)]
+    assert q.spec[0] == ("fsdp", "tp")
+    # Device 1 is (fsdp 0, tp 1): the second quarter; device 2 is (fsdp 1, tp 0): the third.
+    assert [box(q, d)[0] for d in range(4)] == [(0, 64), (64, 128), (128, 192), (192, 256)]
+    o = src[O.format(0)]
+    assert box(o, 1) == ((0, 128), (128, 256)) and box(o, 2) == ((128, 256), (0, 128))
+    norm = src["model.norm.weight"]
+    assert box(norm, 1) == ((0, 128),) and box(norm, 2) == ((128, 256),)
+
+
+def test_vllm_tp_dp_engines():
+    dst = presets.infer_layouts(TINY, InferParallel(tp=4, dp=2), range(8, 16))
+    q = dst[Q.format(1)]
+    assert q.mesh.devices.tolist() == [[8, 9, 10, 11], [12, 13, 14, 15]]
+    assert box(q, 9) == box(q, 13) == ((64, 128), (0, 256))
+    assert dst["model.layers.0.input_layernorm.weight"].replication == 8
+
+
+def test_experts_ep_and_expert_tp():
+    infos = catalog.tensors(TINY_MOE)
+    src = presets.train_layouts(infos, TrainParallel(tp=2, ep=2, expert_tp=2, pp=2), range(8))
+    # Stage 1 = devices 4-7 as (edp=1, ep=2, etp=2): expert 3 lives on ep rank 1 = devices 6, 7.
+    e3 = src["model.layers.3.mlp.experts.3.gate_proj.weight"]
+    assert e3.mesh.device_ids == (6, 7) and box(e3, 7) == ((4, 8), (0, 16))
+    down = src["model.layers.0.mlp.experts.0.down_proj.weight"]
+    assert down.mesh.device_ids == (0, 1) and box(down, 1) == ((0, 16), (4, 8))
+    stacked = presets.train_layouts(catalog.tensors(TINY_MOE, experts="stacked"),
+                                    TrainParallel(tp=2, ep=2, expert_tp=2, pp=2), range(8))
+    st = stacked["model.layers.0.mlp.experts.up_proj.weight"]  # [4, 8, 16]
+    assert box(st, 3) == ((2, 4), (4, 8), (0, 16))
+    inf = presets.infer_layouts(infos, InferParallel(tp=2, dp=2, ep=4), range(8, 12))
+    assert inf["model.layers.0.mlp.experts.2.up_proj.weight"].mesh.device_ids == (10,)
+    inf_tp = presets.infer_layouts(infos, InferParallel(tp=2, dp=2), range(8, 12))
+    assert box(inf_tp["model.layers.0.mlp.experts.2.down_proj.weight"], 9) == ((0, 16), (4, 8))
+
+
+def test_tp4_dp8_fleet_receives_each_tensor_eight_times():
+    src = presets.train_layouts(TINY, TrainParallel(tp=2, pp=2, dp=2), range(8))
+    dst = presets.infer_layouts(TINY, InferParallel(tp=4, dp=8), range(8, 40))
+    p = jreshard.plan(src, dst)
+    for t in TINY:
+        # tp-split tensors reach each of the 8 engines once; replicated ones (norms) all 32 devices.
+        copies = 32 if t.role == "replicated" else 8
+        assert p[t.name].stats().network_bytes == copies * t.size * 4, t.name
+    s = p.stats()
+    sharded = sum(t.size * 4 for t in TINY if t.role != "replicated")
+    assert s.network_bytes == s.lower_bound_bytes == 8 * sharded + 32 * (catalog.num_params(TINY) * 4 - sharded)
+
+
+@pytest.mark.parametrize("train, infer, devices", [
+    (TrainParallel(tp=2, pp=2, dp=2), InferParallel(tp=4, dp=2), range(8, 16)),
+    (TrainParallel(fsdp=4, tp=2), InferParallel(tp=2, dp=4), range(4, 12)),  # overlapping devices
+    (TrainParallel(tp=4, pp=2), InferParallel(tp=1, dp=8), range(0, 8)),  # colocated
+])
+def test_whole_model_bit_exact(train, infer, devices):
+    src = presets.train_layouts(TINY, train, range(8))
+    dst = presets.infer_layouts(TINY, infer, devices)
+    p = jreshard.plan(src, dst)
+    for name in (Q.format(0), O.format(3), "lm_head.weight", "model.norm.weight", "model.layers.2.mlp.down_proj.weight"):
+        assert_plan_ok(p[name])
+    s = p.stats()
+    assert s.network_bytes == s.lower_bound_bytes
+
+
+def test_moe_bit_exact():
+    infos = catalog.tensors(TINY_MOE)
+    src = presets.train_layouts(infos, TrainParallel(tp=2, ep=2, expert_tp=2, pp=2), range(8))
+    dst = presets.infer_layouts(infos, InferParallel(tp=2, dp=2, ep=2), range(8, 12))
+    p = jreshard.plan(src, dst)
+    for name in ("model.layers.3.mlp.experts.3.gate_proj.weight", "model.layers.0.mlp.experts.0.down_proj.weight",
+                 "model.layers.1.mlp.gate.weight"):
+        assert_plan_ok(p[name])
+
+
+@pytest.mark.parametrize("call, exc, match", [
+    (lambda: presets.train_layouts(TINY, TrainParallel(tp=2, pp=2), range(6)), ValueError, "multiply|cannot hold"),
+    (lambda: presets.train_layouts(TINY, TrainParallel(pp=3), range(8)), ValueError, "pp=3"),
+    (lambda: presets.infer_layouts(TINY, InferParallel(tp=2, dp=2), range(8)), ValueError, "tp\\*dp = 4"),
+    (lambda: TrainParallel(tp=0), ValueError, "TrainParallel.tp"),
+    (lambda: presets.train_layouts(catalog.tensors(TINY_MOE), TrainParallel(ep=3), range(3)), ValueError, "ep=3"),
+    (lambda: presets.train_layouts(TINY, InferParallel(), range(1)), TypeError, "TrainParallel"),
+    (lambda: presets.parse_parallel("tp=x", "train"), ValueError, "tp=x"),
+])
+def test_errors(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_parse_parallel_and_docstrings():
+    assert presets.parse_parallel("tp=4, pp=2", "train") == TrainParallel(tp=4, pp=2)
+    assert presets.parse_parallel("tp=8,dp=2,ep=16", "infer") == InferParallel(tp=8, dp=2, ep=16)
+    assert doctest.testmod(presets).failed == 0
