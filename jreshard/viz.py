@@ -100,6 +100,17 @@ def _devices_text(devices: Sequence[int], limit: int = 4) -> str:
     return ", ".join(str(d) for d in devices[:limit - 1]) + f", ... ({len(devices)})"
 
 
+def _fitting_label(devices: Sequence[int], width_pt: float, height_pt: float, font: float) -> str | None:
+    """The longest of 'a, b, c', 'a+2' and 'a' that fits a box of this size, else None."""
+    if height_pt < 1.4 * font:
+        return None
+    shortest = [_devices_text(devices), f"{devices[0]}+{len(devices) - 1}" if len(devices) > 1 else str(devices[0])]
+    for text in shortest:
+        if len(text) * 0.62 * font + 4 <= width_pt:
+            return text
+    return None
+
+
 def _check_layout(layout: Any, arg: str) -> Layout:
     if not isinstance(layout, Layout):
         raise TypeError(
@@ -179,6 +190,10 @@ def draw_layout(layout: Layout, *, ax: Any = None, title: str | None = None,
     rows, cols = _extent(layout)
     groups = layout.replica_groups()
     font = max(5.0, min(10.0, 40.0 / math.sqrt(max(len(groups), 1))))
+    # The panel's size in points, to keep labels inside their boxes (before layout: an estimate).
+    bbox = ax.get_position()
+    width_pt = bbox.width * ax.figure.get_figwidth() * 72
+    height_pt = bbox.height * ax.figure.get_figheight() * 72
     empty = 0
     for group in groups:
         box = layout.shard_box(group[0])
@@ -196,8 +211,9 @@ def draw_layout(layout: Layout, *, ax: Any = None, title: str | None = None,
                 ax.add_patch(Rectangle((x + k * w / len(group), y), w / len(group), strip,
                                        facecolor=colors.get(device, (0.8, 0.8, 0.8, 1.0)),
                                        edgecolor="white", linewidth=0.4, gid=f"replica:{device}"))
-        if labels:
-            ax.text(x + w / 2, y + h / 2 + (h * 0.08 if len(group) > 1 else 0), _devices_text(group),
+        label = _fitting_label(group, w / max(cols, 1) * width_pt, h / max(rows, 1) * height_pt, font) if labels else None
+        if label:
+            ax.text(x + w / 2, y + h / 2 + (h * 0.08 if len(group) > 1 else 0), label,
                     ha="center", va="center", fontsize=font, clip_on=True,
                     bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none", "alpha": 0.7})
     ax.set_xlim(0, max(cols, 1))
@@ -350,43 +366,42 @@ def _plans_of(plan: Any, arg: str) -> list[TensorPlan]:
     raise TypeError(f"{arg} must be a jreshard.Plan or TensorPlan, got {type(plan).__name__} {plan!r}.")
 
 
-def traffic_matrix(plan: Plan | TensorPlan, *, include_local: bool = False) -> tuple[tuple[int, ...], np.ndarray]:
-    """Bytes sent from each device to each device under ``plan``.
+def traffic_matrix(plan: Plan | TensorPlan, *,
+                   include_local: bool = False) -> tuple[tuple[int, ...], tuple[int, ...], np.ndarray]:
+    """Bytes sent from each source device to each destination device under ``plan``.
 
     Args:
       plan: a Plan or TensorPlan.
-      include_local: put local copies on the diagonal (network traffic only by default).
+      include_local: count local copies too (network traffic only by default).
 
     Returns:
-      ``(devices, matrix)``: the sorted ids of every source and destination device,
-      and an int64 matrix whose ``[i, j]`` is the bytes ``devices[i]`` sends to
-      ``devices[j]`` (elements when the layouts carry no dtype).
+      ``(senders, receivers, matrix)``: the sorted ids of every source-mesh device
+      and of every destination-mesh device, and an int64 matrix whose ``[i, j]`` is
+      the bytes ``senders[i]`` sends to ``receivers[j]`` (elements when the layouts
+      carry no dtype).
 
     Example:
       >>> import jreshard
       >>> a = jreshard.Layout((4,), jreshard.Mesh([0, 1], "x"), ("x",))
       >>> b = jreshard.Layout((4,), jreshard.Mesh([2, 3], "x"), ("x",))
-      >>> traffic_matrix(jreshard.plan(a, b))[1].tolist()
-      [[0, 0, 2, 0], [0, 0, 0, 2], [0, 0, 0, 0], [0, 0, 0, 0]]
+      >>> traffic_matrix(jreshard.plan(a, b))
+      ((0, 1), (2, 3), array([[2, 0], [0, 2]]))
     """
     tplans = _plans_of(plan, "plan")
-    ids: set[int] = set()
-    for tp in tplans:
-        ids.update(tp.src.mesh.device_ids)
-        ids.update(tp.dst.mesh.device_ids)
-    devices = np.array(sorted(ids), dtype=np.int64)
-    n = len(devices)
-    if not tplans or n == 0:
-        return tuple(int(d) for d in devices), np.zeros((n, n), np.int64)
-    src = np.concatenate([tp.move_src for tp in tplans])
-    dst = np.concatenate([tp.move_dst for tp in tplans])
-    nbytes = np.concatenate([tp.move_bytes for tp in tplans])
-    if not include_local:
-        keep = src != dst
-        src, dst, nbytes = src[keep], dst[keep], nbytes[keep]
-    flat = np.searchsorted(devices, src) * n + np.searchsorted(devices, dst)
-    matrix = np.bincount(flat, weights=nbytes, minlength=n * n).astype(np.int64).reshape(n, n)
-    return tuple(int(d) for d in devices), matrix
+    senders = np.array(sorted({d for tp in tplans for d in tp.src.mesh.device_ids}), dtype=np.int64)
+    receivers = np.array(sorted({d for tp in tplans for d in tp.dst.mesh.device_ids}), dtype=np.int64)
+    ns, nr = len(senders), len(receivers)
+    matrix = np.zeros((ns, nr), np.int64)
+    if tplans and ns and nr:
+        src = np.concatenate([tp.move_src for tp in tplans])
+        dst = np.concatenate([tp.move_dst for tp in tplans])
+        nbytes = np.concatenate([tp.move_bytes for tp in tplans])
+        if not include_local:
+            keep = src != dst
+            src, dst, nbytes = src[keep], dst[keep], nbytes[keep]
+        flat = np.searchsorted(senders, src) * nr + np.searchsorted(receivers, dst)
+        matrix = np.bincount(flat, weights=nbytes, minlength=ns * nr).astype(np.int64).reshape(ns, nr)
+    return tuple(int(d) for d in senders), tuple(int(d) for d in receivers), matrix
 
 
 def _domain_size(domain_size: Any, topology: Any) -> int | None:
@@ -410,24 +425,25 @@ def _domain_size(domain_size: Any, topology: Any) -> int | None:
     return int(domain_size)
 
 
-def draw_traffic(plan: Plan | TensorPlan | np.ndarray, *, devices: Sequence[int] | None = None,
-                 domain_size: int | None = None, topology: Any = None, include_local: bool = False,
-                 log: bool = True, title: str | None = None, ax: Any = None) -> Figure:
+def draw_traffic(plan: Plan | TensorPlan | np.ndarray, *, senders: Sequence[int] | None = None,
+                 receivers: Sequence[int] | None = None, domain_size: int | None = None, topology: Any = None,
+                 include_local: bool = False, log: bool = True, title: str | None = None, ax: Any = None) -> Figure:
     """A heatmap of bytes from each source device (rows) to each destination device (columns).
 
     Zero cells stay white. With an NVLink domain size (``domain_size``, or a
     ``topology`` with a ``gpus_per_domain`` attribute or key), device ``d`` is in
-    domain ``d // domain_size``: domain boundaries are drawn as lines, the blocks
-    where sender and receiver share a domain are outlined (gid ``'domain:<k>'``),
-    and the title gives the share of bytes that crosses domains.
+    domain ``d // domain_size``: domain boundaries are drawn as lines on both axes,
+    the cells where sender and receiver share a domain are outlined in red (gid
+    ``'domain:<k>'``), and the title gives the share of bytes that crosses domains.
 
     Args:
-      plan: a Plan or TensorPlan, or a square matrix of bytes.
-      devices: the device ids of a matrix's rows and columns (default 0..n-1);
-        ignored for plans.
+      plan: a Plan or TensorPlan, or a matrix of bytes (rows send, columns receive).
+      senders: the device ids of a matrix's rows (default 0..rows-1); ignored for plans.
+      receivers: the device ids of a matrix's columns (default: ``senders`` for a
+        square matrix, else 0..columns-1); ignored for plans.
       domain_size: GPUs per NVLink domain.
       topology: an object or mapping with ``gpus_per_domain``, instead of domain_size.
-      include_local: show local copies on the diagonal.
+      include_local: count local copies (a device sending to itself).
       log: logarithmic colour scale.
       title: the panel title.
       ax: optional Axes to draw into.
@@ -437,39 +453,44 @@ def draw_traffic(plan: Plan | TensorPlan | np.ndarray, *, devices: Sequence[int]
 
     Raises:
       TypeError: ``plan`` is neither a plan nor a matrix, or ``topology`` has no domain size.
-      ValueError: the matrix is not square, ``devices`` does not match it, or the
-        domain size is not a positive int.
+      ValueError: the matrix is not 2-D or holds negative values, ``senders`` or
+        ``receivers`` does not match it, or the domain size is not a positive int.
     """
     size = _domain_size(domain_size, topology)
     if isinstance(plan, (Plan, TensorPlan)):
-        ids, matrix = traffic_matrix(plan, include_local=include_local)
+        rows, cols, matrix = traffic_matrix(plan, include_local=include_local)
     else:
         if not isinstance(plan, (np.ndarray, list, tuple)):
             raise TypeError(
-                f"plan must be a jreshard.Plan, TensorPlan or a square matrix of bytes, got {type(plan).__name__}."
+                f"plan must be a jreshard.Plan, TensorPlan or a matrix of bytes, got {type(plan).__name__}."
             )
         matrix = np.asarray(plan, dtype=np.float64)
-        if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1]:
-            raise ValueError(f"plan as a matrix must be square, got shape {matrix.shape}.")
+        if matrix.ndim != 2:
+            raise ValueError(f"plan as a matrix must be 2-D (senders x receivers), got shape {matrix.shape}.")
         if not np.isfinite(matrix).all() or (matrix < 0).any():
             raise ValueError("plan as a matrix must hold finite, non-negative byte counts.")
-        ids = tuple(range(len(matrix))) if devices is None else tuple(int(d) for d in devices)
-        if len(ids) != len(matrix):
-            raise ValueError(f"devices has {len(ids)} ids but the matrix has {len(matrix)} rows; give one id per row.")
+        rows = tuple(range(matrix.shape[0])) if senders is None else tuple(int(d) for d in senders)
+        if receivers is None:
+            cols = rows if matrix.shape[0] == matrix.shape[1] else tuple(range(matrix.shape[1]))
+        else:
+            cols = tuple(int(d) for d in receivers)
+        for arg, ids, n in (("senders", rows, matrix.shape[0]), ("receivers", cols, matrix.shape[1])):
+            if len(ids) != n:
+                raise ValueError(f"{arg} has {len(ids)} ids but the matrix has {n}; give one id per "
+                                 f"{'row' if arg == 'senders' else 'column'}.")
     if ax is None:
         fig = _new_figure((6.4, 5.4))
         ax = fig.add_subplot()
-    n = len(ids)
+    nr, nc = len(rows), len(cols)
     data = np.ma.masked_equal(np.asarray(matrix, dtype=np.float64), 0.0)
     positive = data.compressed()
     if log and len(positive) and positive.max() > positive.min():
         norm: Normalize = LogNorm(vmin=float(positive.min()), vmax=float(positive.max()))
     else:
-        top = float(positive.max()) if len(positive) else 1.0
-        norm = Normalize(vmin=0.0, vmax=top)
+        norm = Normalize(vmin=0.0, vmax=float(positive.max()) if len(positive) else 1.0)
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad="white")
-    image = ax.imshow(data, cmap=cmap, norm=norm, interpolation="nearest", aspect="equal",
-                      extent=(-0.5, n - 0.5, n - 0.5, -0.5))
+    image = ax.imshow(data, cmap=cmap, norm=norm, interpolation="nearest", aspect="auto",
+                      extent=(-0.5, nc - 0.5, nr - 0.5, -0.5))
     bar = ax.figure.colorbar(image, ax=ax, shrink=0.85)
     bar.set_label("bytes" if log else "bytes (linear)")
     if isinstance(norm, LogNorm) and norm.vmax / norm.vmin >= 16:
@@ -478,32 +499,39 @@ def draw_traffic(plan: Plan | TensorPlan | np.ndarray, *, devices: Sequence[int]
         bar.set_ticks(_byte_ticks(norm.vmin, norm.vmax))
     bar.ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: _bytes_label(v)))
     bar.ax.yaxis.set_minor_formatter(NullFormatter())
-    step = max(1, math.ceil(n / 16))
-    ticks = list(range(0, n, step))
-    ax.set_xticks(ticks, [str(ids[i]) for i in ticks], fontsize=7, rotation=90 if n > 16 else 0)
-    ax.set_yticks(ticks, [str(ids[i]) for i in ticks], fontsize=7)
+    for axis, ids, rotate in ((ax.xaxis, cols, nc > 16), (ax.yaxis, rows, False)):
+        step = max(1, math.ceil(len(ids) / 16))
+        ticks = list(range(0, len(ids), step))
+        axis.set_ticks(ticks, [str(ids[i]) for i in ticks], fontsize=7, rotation=90 if rotate else 0)
     ax.set_xlabel("destination device")
     ax.set_ylabel("source device")
     total = float(np.asarray(matrix).sum())
     extra = ""
-    if size is not None and n:
-        domain = np.array(ids) // size
-        cuts = [i for i in range(1, n) if domain[i] != domain[i - 1]]
-        for c in cuts:
-            ax.axhline(c - 0.5, color="0.35", linewidth=0.6)
-            ax.axvline(c - 0.5, color="0.35", linewidth=0.6)
-        starts = [0, *cuts]
-        stops = [*cuts, n]
-        for a, b in zip(starts, stops, strict=True):
-            ax.add_patch(Rectangle((a - 0.5, a - 0.5), b - a, b - a, fill=False, edgecolor="red",
-                                   linewidth=1.4, gid=f"domain:{int(domain[a])}"))
-        crossing = float(np.asarray(matrix)[domain[:, None] != domain[None, :]].sum())
+    if size is not None and nr and nc:
+        row_dom, col_dom = np.array(rows) // size, np.array(cols) // size
+        row_runs, col_runs = _runs(row_dom), _runs(col_dom)
+        for a, _, _ in row_runs[1:]:
+            ax.axhline(a - 0.5, color="0.35", linewidth=0.6)
+        for a, _, _ in col_runs[1:]:
+            ax.axvline(a - 0.5, color="0.35", linewidth=0.6)
+        for r0, r1, dom in row_runs:
+            for c0, c1, dom_c in col_runs:
+                if dom == dom_c:
+                    ax.add_patch(Rectangle((c0 - 0.5, r0 - 0.5), c1 - c0, r1 - r0, fill=False, edgecolor="red",
+                                           linewidth=1.4, gid=f"domain:{dom}"))
+        crossing = float(np.asarray(matrix)[row_dom[:, None] != col_dom[None, :]].sum())
         share = crossing / total if total else 0.0
-        extra = f"\n{size} GPUs per NVLink domain (red): {share:.0%} of bytes cross domains"
+        extra = f"\n{size} GPUs per NVLink domain (red: same domain): {share:.0%} of bytes cross domains"
     if title is None:
         title = f"traffic matrix, {_bytes_label(total)} in all"
     ax.set_title(title + extra, fontsize=9)
     return ax.figure
+
+
+def _runs(domains: np.ndarray) -> list[tuple[int, int, int]]:
+    """(start, stop, domain) of each run of equal consecutive domains."""
+    cuts = [0, *(i for i in range(1, len(domains)) if domains[i] != domains[i - 1]), len(domains)]
+    return [(a, b, int(domains[a])) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
 
 
 def _loads(plan: Any) -> tuple[dict[int, int], dict[int, int], str]:
@@ -675,7 +703,7 @@ def _same_methods(values: Mapping[str, float] | None, arg: str, methods: list[st
 
 def draw_sweep(x: Sequence[Any], bytes_by_method: Mapping[str, Sequence[float]],
                seconds_by_method: Mapping[str, Sequence[float]] | None = None, *, xlabel: str = "",
-               log: bool = True, title: str | None = None) -> Figure:
+               bytes_title: str = "bytes over the network", log: bool = True, title: str | None = None) -> Figure:
     """Lines of bytes (and predicted seconds) per method across a sweep of settings.
 
     Args:
@@ -683,6 +711,7 @@ def draw_sweep(x: Sequence[Any], bytes_by_method: Mapping[str, Sequence[float]],
       bytes_by_method: method name -> one byte count per setting.
       seconds_by_method: optional method name -> one predicted time per setting.
       xlabel: the x axis label.
+      bytes_title: the title of the bytes panel (say what the bytes count).
       log: logarithmic y axes.
       title: the figure title.
 
@@ -705,8 +734,9 @@ def draw_sweep(x: Sequence[Any], bytes_by_method: Mapping[str, Sequence[float]],
     positions = np.arange(len(xs))
     for ax, (kind, series, fmt) in zip(axes, panels, strict=True):
         for i, (name, ys) in enumerate(series.items()):
-            ax.plot(positions, ys, marker="o", label=name, color=matplotlib.colormaps["tab10"](i % 10),
-                    gid=f"{kind}:{name}")
+            # Distinct markers keep coinciding series visible.
+            ax.plot(positions, ys, marker="osD^v<>"[i % 7], markersize=7 - 1.2 * (i % 3), label=name,
+                    color=matplotlib.colormaps["tab10"](i % 10), gid=f"{kind}:{name}")
         if log and all(v > 0 for ys in series.values() for v in ys):
             ax.set_yscale("log")
             # Bytes tick at powers of two (1 GiB, 2 GiB, ...), seconds at 1-2-5 decades.
@@ -716,7 +746,7 @@ def draw_sweep(x: Sequence[Any], bytes_by_method: Mapping[str, Sequence[float]],
         ax.set_xticks(positions, [str(v) for v in xs])
         ax.set_xlabel(xlabel)
         ax.grid(True, alpha=0.3)
-        ax.set_title("bytes over the network" if kind == "bytes" else "predicted time", fontsize=9)
+        ax.set_title(bytes_title if kind == "bytes" else "predicted time", fontsize=9)
         ax.legend(fontsize=8)
     if title is not None:
         fig.suptitle(title, fontsize=10)

@@ -35,8 +35,23 @@ def quickstart() -> Figure:
     return viz.draw_plan(jreshard.plan(src, dst))
 
 
+def plan_a_model() -> Figure:
+    """02_plan_a_model: DeepSeek-V3 sync on DGX H100, jreshard against the baselines (cost model)."""
+    from jreshard import cost, scenario
+
+    s = scenario.load_scenario("dsv3-dgx-h100")
+    src, dst = s.layouts(experts="stacked")
+    c = cost.compare(src, dst, s.topology(), jreshard_plan=jreshard.plan(src, dst))
+    methods = {"jreshard": c.jreshard, "flat direct sends": c.flat_direct, "gather-then-broadcast": c.gather_broadcast}
+    return viz.draw_comparison({k: p.network_bytes for k, p in methods.items()},
+                               {k: p.seconds for k, p in methods.items()},
+                               nvlink_bytes_by_method={k: p.nvlink_bytes for k, p in methods.items()},
+                               title=f"{s.name}: predicted full weight sync")
+
+
 FIGURES: dict[str, Callable[[], Figure]] = {
     "01_quickstart": quickstart,
+    "02_plan_a_model": plan_a_model,
 }
 
 

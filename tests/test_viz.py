@@ -127,8 +127,8 @@ def small_pytree_plan():
 
 def test_traffic_matrix_agrees_with_moves_and_stats():
     p = small_pytree_plan()
-    devices, matrix = viz.traffic_matrix(p)
-    assert devices == tuple(range(8))
+    senders, receivers, matrix = viz.traffic_matrix(p)
+    assert senders == receivers == tuple(range(8))
     want = np.zeros((8, 8), np.int64)
     local = np.zeros(8, np.int64)
     for tp in p.tensors.values():
@@ -142,7 +142,7 @@ def test_traffic_matrix_agrees_with_moves_and_stats():
     assert matrix.sum() == s.network_bytes
     assert {d: int(v) for d, v in enumerate(matrix.sum(axis=1)) if v} == s.send_bytes
     assert {d: int(v) for d, v in enumerate(matrix.sum(axis=0)) if v} == s.recv_bytes
-    _, with_local = viz.traffic_matrix(p, include_local=True)
+    _, _, with_local = viz.traffic_matrix(p, include_local=True)
     np.testing.assert_array_equal(np.diag(with_local), local)
     assert local.sum() == s.local_bytes > 0
 
@@ -150,15 +150,32 @@ def test_traffic_matrix_agrees_with_moves_and_stats():
 def test_traffic_matrix_of_one_tensor_plan_with_sparse_device_ids():
     a = Layout((8, 4), Mesh([10, 30], "x"), ("x",), dtype="int8")
     b = Layout((8, 4), Mesh([[7], [200]], ("x", "y")), (None, "x"))
-    devices, matrix = viz.traffic_matrix(jreshard.plan(a, b))
-    assert devices == (7, 10, 30, 200)
-    assert matrix[1, 0] == matrix[1, 3] == matrix[2, 0] == matrix[2, 3] == 8
-    assert matrix.sum() == 32
+    senders, receivers, matrix = viz.traffic_matrix(jreshard.plan(a, b))
+    assert (senders, receivers) == ((10, 30), (7, 200))
+    np.testing.assert_array_equal(matrix, [[8, 8], [8, 8]])
+
+
+def test_draw_traffic_sources_by_destinations_with_disjoint_domains():
+    a = Layout((64, 8), Mesh(list(range(8)), "fsdp"), ("fsdp",), dtype="float32")
+    b = Layout((64, 8), Mesh([[8, 9, 10, 11], [12, 13, 14, 15]], ("dp", "tp")), (None, "tp"), dtype="float32")
+    tp = jreshard.plan(a, b)
+    fig = viz.draw_traffic(tp, domain_size=8)
+    ax = fig.axes[0]
+    assert ax.images[0].get_array().shape == (8, 8)
+    assert [t.get_text() for t in ax.get_xticklabels()] == [str(d) for d in range(8, 16)]
+    assert gids(ax, "domain:") == []  # no sender shares a domain with a receiver
+    assert "100% of bytes cross domains" in ax.get_title()
+    fig4 = viz.draw_traffic(tp, domain_size=4)
+    assert gids(fig4.axes[0], "domain:") == []
+    fig16 = viz.draw_traffic(tp, domain_size=16)
+    (same,) = gids(fig16.axes[0], "domain:")
+    assert (same.get_width(), same.get_height()) == (8, 8)
+    assert "0% of bytes cross domains" in fig16.axes[0].get_title()
 
 
 def test_draw_traffic_shows_the_matrix_and_domains():
     p = small_pytree_plan()
-    _, matrix = viz.traffic_matrix(p)
+    _, _, matrix = viz.traffic_matrix(p)
     fig = viz.draw_traffic(p, domain_size=4)
     ax = fig.axes[0]
     shown = ax.images[0].get_array()
@@ -176,12 +193,15 @@ def test_draw_traffic_shows_the_matrix_and_domains():
 
 def test_draw_traffic_from_a_matrix():
     m = np.array([[0, 5, 0], [1, 0, 0], [0, 0, 0]])
-    fig = viz.draw_traffic(m, devices=[8, 9, 16], domain_size=8, log=False)
+    fig = viz.draw_traffic(m, senders=[8, 9, 16], domain_size=8, log=False)
     ax = fig.axes[0]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["8", "9", "16"]
     assert sorted(p.get_gid() for p in gids(ax, "domain:")) == ["domain:1", "domain:2"]
     assert "0% of bytes cross" in ax.get_title()
     viz.draw_traffic(np.zeros((2, 2)))  # nothing moves: still draws
+    wide = viz.draw_traffic(np.ones((2, 3)), receivers=[5, 6, 7]).axes[0]
+    assert [t.get_text() for t in wide.get_xticklabels()] == ["5", "6", "7"]
+    assert [t.get_text() for t in wide.get_yticklabels()] == ["0", "1"]
 
 
 def test_draw_load_bars_and_means():
@@ -235,12 +255,13 @@ def test_draw_sweep_lines():
     x = [1, 2, 4, 8]
     nbytes = {"jreshard": [1e9, 2e9, 3e9, 4e9], "gather-then-broadcast": [8e9, 8e9, 8e9, 8e9]}
     seconds = {"jreshard": [0.1, 0.2, 0.3, 0.4], "gather-then-broadcast": [1.0, 1.0, 1.0, 1.0]}
-    fig = viz.draw_sweep(x, nbytes, seconds, xlabel="inference TP")
+    fig = viz.draw_sweep(x, nbytes, seconds, xlabel="inference TP", bytes_title="bytes moved")
     left, right = fig.axes
     lines = {ln.get_gid(): list(ln.get_ydata()) for ln in gids(left, "bytes:")}
     assert lines == {f"bytes:{k}": v for k, v in nbytes.items()}
     assert [t.get_text() for t in left.get_xticklabels()] == ["1", "2", "4", "8"]
     assert right.get_yscale() == "log"
+    assert (left.get_title(), right.get_title()) == ("bytes moved", "predicted time")
     assert {ln.get_gid() for ln in gids(right, "seconds:")} == {"seconds:jreshard", "seconds:gather-then-broadcast"}
     assert png_bytes(fig).startswith(b"\x89PNG")
 
@@ -253,10 +274,11 @@ ERRORS = [
     ("plan-not-plan", lambda: viz.draw_plan("moves"), TypeError, r"tplan must be a jreshard.TensorPlan, got str"),
     ("plan-rank-3", lambda: viz.draw_plan(jreshard.plan(BIG, BIG)), ValueError, r"tplan.src has shape \(2, 2, 2\)"),
     ("traffic-not-plan", lambda: viz.traffic_matrix({"a": 1}), TypeError, r"plan must be a jreshard.Plan or TensorPlan, got dict"),
-    ("draw-traffic-bad", lambda: viz.draw_traffic("x"), TypeError, r"plan must be a jreshard.Plan, TensorPlan or a square matrix"),
-    ("traffic-not-square", lambda: viz.draw_traffic(np.zeros((2, 3))), ValueError, r"must be square, got shape \(2, 3\)"),
+    ("draw-traffic-bad", lambda: viz.draw_traffic("x"), TypeError, r"plan must be a jreshard.Plan, TensorPlan or a matrix of bytes, got str"),
+    ("traffic-not-2d", lambda: viz.draw_traffic(np.zeros(3)), ValueError, r"must be 2-D \(senders x receivers\), got shape \(3,\)"),
     ("traffic-negative", lambda: viz.draw_traffic(-np.ones((2, 2))), ValueError, r"finite, non-negative"),
-    ("traffic-devices", lambda: viz.draw_traffic(np.ones((2, 2)), devices=[1]), ValueError, r"devices has 1 ids but the matrix has 2"),
+    ("traffic-senders", lambda: viz.draw_traffic(np.ones((2, 2)), senders=[1]), ValueError, r"senders has 1 ids but the matrix has 2; give one id per row"),
+    ("traffic-receivers", lambda: viz.draw_traffic(np.ones((2, 3)), receivers=[1]), ValueError, r"receivers has 1 ids but the matrix has 3; give one id per column"),
     ("domain-size-zero", lambda: viz.draw_traffic(np.ones((2, 2)), domain_size=0), ValueError, r"domain_size must be a positive int .*got 0"),
     ("domain-both", lambda: viz.draw_traffic(np.ones((2, 2)), domain_size=2, topology={"gpus_per_domain": 2}), ValueError, r"either domain_size or topology"),
     ("topology-without-size", lambda: viz.draw_traffic(np.ones((2, 2)), topology=object()), TypeError, r"topology must have a 'gpus_per_domain'"),
