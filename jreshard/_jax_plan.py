@@ -66,13 +66,10 @@ def _is_target_leaf(x: Any) -> bool:
 
 
 def _is_dtype_leaf(x: Any) -> bool:
-    if x is None or isinstance(x, (str, np.dtype)):
+    if x is None or isinstance(x, (str, np.dtype, type)):
         return True
-    try:
-        np.dtype(x)
-        return True
-    except TypeError:
-        return False
+    # Containers are subtrees (np.dtype would read a dict or list as a structured dtype).
+    return not isinstance(x, (dict, list, tuple)) and jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x))
 
 
 def _broadcast(prefix: Any, treedef: Any, names: tuple[str, ...], is_leaf: Any, arg: str, example: str) -> list:
@@ -153,7 +150,10 @@ def _target_sharding(name: str, value: Any, mesh: jax.sharding.Mesh | None) -> S
                 f"target{where} is a PartitionSpec {value} but no mesh= was given; pass "
                 "mesh=jax.sharding.Mesh(...) or a NamedSharding."
             )
-        return NamedSharding(mesh, value)
+        try:
+            return NamedSharding(mesh, value)
+        except ValueError as exc:
+            raise ValueError(f"target{where} {value} does not fit mesh {dict(mesh.shape)}: {exc}") from None
     raise TypeError(
         f"target{where} must be a jax.sharding.Sharding or a PartitionSpec (with mesh=), got "
         f"{type(value).__name__} {value!r}."
