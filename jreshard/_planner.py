@@ -508,8 +508,14 @@ def _plan_leaves(leaves: list[tuple[Layout, Layout, int]], balance: bool = True)
             free = ~local_c[inv].ravel()
             if free.any():
                 rows = np.nonzero(free)[0]
-                cflat = cands_c.reshape(C * M, R)[(inv[:, None] * M + np.arange(M)).ravel()[rows]]
-                choice.append((len(staged) - 1, rows, cflat, (np.tile(pieces.vol, T) * np.repeat(itemsize, M))[rows]))
+                # A row's candidates depend only on its mesh pair and source shard: keep one
+                # table of candidate sets and a class per row, not [rows, R] candidates.
+                n_shards = len(groups)
+                local_cls = inv[rows // M] * n_shards + pieces.src_shard[rows % M]
+                uniq, cls = np.unique(local_cls, return_inverse=True)
+                table = src_ids[(uniq // n_shards)[:, None], groups[uniq % n_shards]]
+                choice.append((len(staged) - 1, rows, table, cls.ravel(),
+                               (np.tile(pieces.vol, T) * np.repeat(itemsize, M))[rows]))
         elif M:
             # Fixed senders: each pair's per-piece loads, weighted by its tensors' itemsizes.
             weight = np.bincount(inv, weights=itemsize, minlength=C)
@@ -525,7 +531,7 @@ def _plan_leaves(leaves: list[tuple[Layout, Layout, int]], balance: bool = True)
         fsrc = np.fromiter(fixed_load.keys(), dtype=np.int64, count=len(fixed_load))
         fbytes = np.fromiter(fixed_load.values(), dtype=np.float64, count=len(fixed_load))
         assigned, splits = _balance(staged, choice, fsrc, fbytes, balance)
-        for (gi, rows, _, _), chosen in zip(choice, assigned, strict=True):
+        for (gi, rows, *_), chosen in zip(choice, assigned, strict=True):
             staged[gi][4][rows] = chosen
     choice_groups = {c[0] for c in choice}
 
@@ -645,25 +651,29 @@ def _balance(staged, choice, fixed_src, fixed_bytes, balance: bool):
     Returns the chosen sender per row (per choice block) and per-group splits.
     """
     all_ids = np.unique(np.concatenate([fixed_src] + [c[2].ravel() for c in choice]))
+    # (tables are small: one row per candidate set of each block)
     load = np.zeros(len(all_ids), dtype=np.float64)
     if len(fixed_src):
         np.add.at(load, np.searchsorted(all_ids, fixed_src), fixed_bytes.astype(np.float64))
 
-    # One flat table of choice rows, candidates padded with -1.
+    # One flat table of choice rows; candidate sets (dense sender ids, padded with -1)
+    # live in a small table of classes that rows point into.
     Rmax = max(c[2].shape[1] for c in choice)
-    blocks = []
-    for b, (gi, rows, cands, nbytes) in enumerate(choice):
-        dense = np.searchsorted(all_ids, np.sort(cands, axis=1))
-        pad = np.full((len(rows), Rmax), -1, np.int64)
+    blocks, tables, offset = [], [], 0
+    for b, (gi, rows, table, cls, nbytes) in enumerate(choice):
+        dense = np.searchsorted(all_ids, np.sort(table, axis=1))
+        pad = np.full((len(table), Rmax), -1, np.int64)
         pad[:, : dense.shape[1]] = dense
-        blocks.append((np.full(len(rows), b), np.arange(len(rows)), pad, nbytes.astype(np.float64)))
+        tables.append(pad)
+        blocks.append((np.full(len(rows), b), np.arange(len(rows)), cls + offset, nbytes.astype(np.float64)))
+        offset += len(table)
     blk = np.concatenate([x[0] for x in blocks])
     brow = np.concatenate([x[1] for x in blocks])
-    cand = np.concatenate([x[2] for x in blocks])
     nbytes = np.concatenate([x[3] for x in blocks])
     chosen = np.empty(len(blk), np.int64)
 
-    classes, inverse = _unique_rows(cand)
+    classes, table_class = _unique_rows(np.concatenate(tables))
+    inverse = table_class[np.concatenate([x[2] for x in blocks])]
     totals = np.bincount(inverse, weights=nbytes)
     by_class = np.argsort(inverse, kind="stable")
     bounds = np.searchsorted(inverse[by_class], np.arange(len(classes) + 1))
@@ -687,17 +697,18 @@ def _balance(staged, choice, fixed_src, fixed_bytes, balance: bool):
     splits: dict[int, list] = {}
     n_orig = len(blk)
     if balance:
-        blk, brow, cand, nbytes, chosen, boxes = _refine(staged, choice, blk, brow, cand, nbytes, chosen, load)
+        blk, brow, inverse, nbytes, chosen, boxes = _refine(staged, choice, blk, brow, classes, inverse, nbytes,
+                                                            chosen, load)
         # Shrunk original rows keep their sender; split-off rows are new rows.
         for r, (lo, hi) in boxes.items():
-            gi, rows, _, _ = choice[int(blk[r])]
+            gi, rows, *_ = choice[int(blk[r])]
             grow = int(rows[brow[r]])
             splits.setdefault(gi, []).append((grow, lo, hi, int(all_ids[chosen[r]]), r >= n_orig))
     assigned = [all_ids[chosen[:n_orig][blk[:n_orig] == b]] for b in range(len(choice))]
     return assigned, splits
 
 
-def _refine(staged, choice, blk, brow, cand, nbytes, chosen, load, max_rounds: int | None = None):
+def _refine(staged, choice, blk, brow, classes, cls, nbytes, chosen, load, max_rounds: int | None = None):
     """Moves or splits rows off the most loaded sender while that lowers the maximum.
 
     Returns the (possibly grown) row table and the boxes of rows that were split:
@@ -706,15 +717,14 @@ def _refine(staged, choice, blk, brow, cand, nbytes, chosen, load, max_rounds: i
     rounds = max_rounds if max_rounds is not None else 4 * len(load) + 16
     n = len(blk)
     cap = n + rounds
-    blk, brow, nbytes, chosen = (np.resize(a, cap) for a in (blk, brow, nbytes, chosen))
-    cand = np.concatenate([cand, np.full((rounds, cand.shape[1]), -1, np.int64)])
+    blk, brow, cls, nbytes, chosen = (np.resize(a, cap) for a in (blk, brow, cls, nbytes, chosen))
     boxes: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for _ in range(rounds):
         top = int(np.argmax(load))
         mine = np.nonzero(chosen[:n] == top)[0]
         if not len(mine):
             break
-        alt = cand[mine]
+        alt = classes[cls[mine]]
         valid = (alt >= 0) & (alt != top)
         if not valid.any():
             break
@@ -724,7 +734,7 @@ def _refine(staged, choice, blk, brow, cand, nbytes, chosen, load, max_rounds: i
         if gap <= max(1.0, 1e-4 * load[top]):
             break
         delta = gap / 2
-        movable = mine[(cand[mine] == best).any(axis=1)]
+        movable = mine[(alt == best).any(axis=1)]
         sizes = nbytes[movable]
         fits = sizes <= delta
         if fits.any():
@@ -737,7 +747,7 @@ def _refine(staged, choice, blk, brow, cand, nbytes, chosen, load, max_rounds: i
         if r in boxes:
             lo, hi = boxes[r]
         else:
-            gi, rows, _, _ = choice[int(blk[r])]
+            gi, rows, *_ = choice[int(blk[r])]
             pieces = staged[gi][2]
             m = int(rows[brow[r]]) % len(pieces.dst_pos)
             lo, hi = pieces.lo[m], pieces.hi[m]
@@ -755,12 +765,12 @@ def _refine(staged, choice, blk, brow, cand, nbytes, chosen, load, max_rounds: i
         new_hi[dim] -= k
         boxes[r] = (lo, new_hi)
         boxes[n] = (cut_lo, hi.copy())
-        blk[n], brow[n], cand[n], nbytes[n], chosen[n] = blk[r], brow[r], cand[r], per_row * k, best
+        blk[n], brow[n], cls[n], nbytes[n], chosen[n] = blk[r], brow[r], cls[r], per_row * k, best
         nbytes[r] -= per_row * k
         load[top] -= per_row * k
         load[best] += per_row * k
         n += 1
-    return blk[:n], brow[:n], cand[:n], nbytes[:n], chosen[:n], boxes
+    return blk[:n], brow[:n], cls[:n], nbytes[:n], chosen[:n], boxes
 
 
 # --------------------------------------------------------------------------- checks
