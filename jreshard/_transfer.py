@@ -65,6 +65,11 @@ TRANSPORTS = ("auto", "collective", "device_put", "memcpy")
 # collective everywhere else.
 _AUTO_ONE_PROCESS = {"cpu": "memcpy"}
 
+# Backends whose device buffers are host memory: there the collective and device_put
+# transports pack and unpack with NumPy copies (one memcpy per byte each way) instead
+# of compiled XLA programs, which on CPU copy slices several times slower.
+_HOST_PACKING_BACKENDS = frozenset({"cpu"})
+
 _TRACES = 0  # programs traced so far (tests check that a second sync traces nothing)
 
 
@@ -220,8 +225,11 @@ def _schedule(tplans: list[TensorPlan], skip: set[int], itemsizes: list[int], ca
         rounds: list[list[_Buffer]] = [[] for _ in range(max(colours, default=-1) + 1)]
         for (s, d), c in zip(pairs, colours, strict=True):
             pieces = tuple(by_pair[(s, d)])
-            offsets = tuple(int(x) for x in np.cumsum([0] + [p.nbytes for p in pieces[:-1]]))
-            rounds[c].append(_Buffer(s, d, pieces, offsets, sum(p.nbytes for p in pieces)))
+            offsets, end = [], 0
+            for p in pieces:  # each piece starts on a 64-byte boundary of the buffer
+                offsets.append(end)
+                end = -(-(end + p.nbytes) // 64) * 64
+            rounds[c].append(_Buffer(s, d, pieces, tuple(offsets), offsets[-1] + pieces[-1].nbytes))
         waves.append(_Wave(tuple(tuple(r) for r in rounds),
                            {d: tuple(ps) for d, ps in local.items()} if w == 0 else {}))
     return waves
@@ -284,9 +292,14 @@ def _make_pack(leaves: tuple[int, ...], buffers: list[tuple[_Buffer, int]], src_
         held = {i: _as_uint(x) for i, x in zip(leaves, shards, strict=True)}
         out = []
         for buf, width in buffers:
-            parts = [_to_bytes(_piece(held[p.leaf], p, src_dtypes[p.leaf], dtypes[p.leaf])) for p in buf.pieces]
-            if width > buf.nbytes:
-                parts.append(jnp.zeros((width - buf.nbytes,), jnp.uint8))
+            parts, end = [], 0
+            for p, off in zip(buf.pieces, buf.offsets, strict=True):
+                if off > end:  # alignment gap
+                    parts.append(jnp.zeros((off - end,), jnp.uint8))
+                parts.append(_to_bytes(_piece(held[p.leaf], p, src_dtypes[p.leaf], dtypes[p.leaf])))
+                end = off + p.nbytes
+            if width > end:
+                parts.append(jnp.zeros((width - end,), jnp.uint8))
             out.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts))
         return tuple(out)
 
@@ -350,7 +363,8 @@ class _WaveProgram:
 class _Executor:
     """A plan compiled for jax: its schedule and jitted programs (built once per plan)."""
 
-    def __init__(self, leaves: Leaves, tplans: list[TensorPlan], transport: str, cap: int) -> None:
+    def __init__(self, leaves: Leaves, tplans: list[TensorPlan], transport: str, cap: int, host_packing: bool) -> None:
+        self.host_packing = host_packing
         self.shardings = leaves.shardings
         self.dtypes = list(leaves.dtypes)
         self.src_dtypes = [np.dtype(v.dtype) for v in leaves.values]
@@ -432,16 +446,67 @@ class _Executor:
         out.sort(key=lambda t: -math.prod(t[2]) * self.dtypes[t[0]].itemsize)
         return out
 
+    def _views(self, shard, needed) -> dict[tuple[int, int], np.ndarray]:
+        """Zero-copy NumPy views (as uint, cast first where asked) of the source shards ``needed``."""
+        views: dict[tuple[int, int], np.ndarray] = {}
+        for i, s in needed:
+            if (i, s) not in views:
+                x = shard(i, s)
+                if i in self.casts:
+                    x = self.casts[i](x)
+                views[(i, s)] = _uint_view(np.asarray(x))
+        return views
+
+    def _host_waves(self, shard) -> dict[tuple[int, int], jax.Array]:
+        """The collective and device_put transports with NumPy packing (host-memory backends)."""
+        outs: dict[tuple[int, int], np.ndarray] = {}
+
+        def out(i: int, d: int) -> np.ndarray:
+            if (i, d) not in outs:
+                outs[(i, d)] = _aligned_empty(self.dst_shape[(i, d)], _NP_UINT[self.dtypes[i].itemsize])
+            return outs[(i, d)]
+
+        for prog in self.waves:
+            views = self._views(shard, [(p.leaf, s) for s, (_, _, bufs) in prog.packs.items() for b, _ in bufs
+                                        for p in b.pieces] +
+                                [(p.leaf, d) for d, u in prog.unpacks.items() for p in u[5]])
+
+            def pack(task) -> np.ndarray:
+                s, b, width = task
+                buf = _aligned_empty((width,), np.uint8)
+                for p, off in zip(b.pieces, b.offsets, strict=True):
+                    isz = self.dtypes[p.leaf].itemsize
+                    dst = buf[off:off + p.nbytes].view(_NP_UINT[isz]).reshape(p.shape)
+                    dst[...] = views[(p.leaf, s)][_region(p.src_start, p.shape)]
+                return buf
+
+            tasks = [(s, b, width) for s, (_, _, bufs) in prog.packs.items() for b, width in bufs]
+            filled = _map(pack, tasks)
+            placed = jax.device_put(filled, [self.devices[s] for s, _, _ in tasks])
+            received = self._move(prog, {(b.src, b.dst): x for (_, b, _), x in zip(tasks, placed, strict=True)})
+            for d, u in prog.unpacks.items():  # allocate in this thread, fill in the pool
+                for i in u[1] + u[2]:
+                    out(i, d)
+
+            def unpack(item) -> None:
+                d, (_, _, _, bufs, _, local) = item
+                for b in bufs:
+                    raw = np.asarray(received[(b.src, b.dst)])
+                    for p, off in zip(b.pieces, b.offsets, strict=True):
+                        isz = self.dtypes[p.leaf].itemsize
+                        outs[(p.leaf, d)][_region(p.dst_start, p.shape)] = (
+                            raw[off:off + p.nbytes].view(_NP_UINT[isz]).reshape(p.shape))
+                for p in local:
+                    outs[(p.leaf, d)][_region(p.dst_start, p.shape)] = views[(p.leaf, d)][_region(p.src_start, p.shape)]
+
+            _map(unpack, list(prog.unpacks.items()))
+        keys = list(outs)
+        placed = jax.device_put([outs[(i, d)].view(self.dtypes[i]) for i, d in keys], [self.devices[d] for _, d in keys])
+        return dict(zip(keys, placed, strict=True))
+
     def _memcpy(self, shard) -> dict[tuple[int, int], jax.Array]:
         """Copies every box between the devices' host buffers (CPU backend, one process)."""
-        views: dict[tuple[int, int], np.ndarray] = {}
-        for i, d, shape, regions in self.copies:
-            for s, _, _ in regions:
-                if (i, s) not in views:
-                    x = shard(i, s)
-                    if i in self.casts:
-                        x = self.casts[i](x)
-                    views[(i, s)] = _uint_view(np.asarray(x))
+        views = self._views(shard, [(i, s) for i, _, _, regions in self.copies for s, _, _ in regions])
 
         def fill(task) -> np.ndarray:
             i, d, shape, regions = task
@@ -450,7 +515,7 @@ class _Executor:
                 out[dst_region] = views[(i, s)][src_region]
             return out.view(self.dtypes[i])
 
-        filled = list(_pool().map(fill, self.copies)) if len(self.copies) > 1 else [fill(t) for t in self.copies]
+        filled = _map(fill, self.copies)
         placed = jax.device_put(filled, [self.devices[d] for _, d, _, _ in self.copies])
         return {(i, d): x for (i, d, _, _), x in zip(self.copies, placed, strict=True)}
 
@@ -472,7 +537,8 @@ class _Executor:
         for s, bufs in sends.items():
             if s in self.local_ids:
                 leaves = tuple(sorted({p.leaf for b, _ in bufs for p in b.pieces}))
-                packs[s] = (_make_pack(leaves, bufs, self.src_dtypes, self.dtypes), leaves, bufs)
+                fn = None if self.host_packing else _make_pack(leaves, bufs, self.src_dtypes, self.dtypes)
+                packs[s] = (fn, leaves, bufs)
         unpacks = {}
         for d in sorted(set(recvs) | set(wave.local)):
             if d not in self.local_ids:
@@ -487,9 +553,10 @@ class _Executor:
             local_leaves = tuple(sorted({p.leaf for p in local}))
             shapes = {i: self.dst_shape[(i, d)] for i in touched}
             finish = frozenset(i for i in touched if self._last[(i, d)] == index)
-            fn = _make_unpack(carried, fresh, recvs.get(d, []), local, local_leaves, shapes, self.src_dtypes,
-                              self.dtypes, finish, donate=bool(carried))
-            unpacks[d] = (fn, carried, fresh, recvs.get(d, []), local_leaves)
+            fn = None if self.host_packing else _make_unpack(
+                carried, fresh, recvs.get(d, []), local, local_leaves, shapes, self.src_dtypes, self.dtypes, finish,
+                donate=bool(carried))
+            unpacks[d] = (fn, carried, fresh, recvs.get(d, []), local_leaves, local)
         comm = None
         if collective and wave.rounds:
             perms = [tuple((self.position[b.src], self.position[b.dst]) for b in r) for r in wave.rounds]
@@ -505,7 +572,9 @@ class _Executor:
             return shards[leaf][device]
 
         results: dict[tuple[int, int], jax.Array] = self._memcpy(shard) if self.copies else {}
-        for w, prog in enumerate(self.waves):
+        if self.host_packing:
+            results.update(self._host_waves(shard))
+        for w, prog in enumerate([] if self.host_packing else self.waves):
             if w > 0:
                 # Bound staging memory: the previous wave finishes before the next starts.
                 jax.block_until_ready([results[k] for k in last])
@@ -516,7 +585,7 @@ class _Executor:
                     packed[(b.src, b.dst)] = o
             received = self._move(prog, packed)
             last = []
-            for d, (fn, carried, fresh, bufs, local_leaves) in prog.unpacks.items():
+            for d, (fn, carried, fresh, bufs, local_leaves, _) in prog.unpacks.items():
                 outs = fn(tuple(results.pop((i, d)) for i in carried),
                           tuple(received[(b.src, b.dst)] for b in bufs),
                           tuple(shard(i, d) for i in local_leaves))
@@ -589,6 +658,15 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return raw[start:start + n].view(dtype).reshape(shape)
 
 
+def _region(start: tuple[int, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(a, a + n) for a, n in zip(start, shape, strict=True))
+
+
+def _map(fn, items: list) -> list:
+    """``fn`` over ``items`` on the copy threads (NumPy copies release the GIL)."""
+    return list(_pool().map(fn, items)) if len(items) > 1 else [fn(x) for x in items]
+
+
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
 
 
@@ -604,10 +682,11 @@ _EXECUTORS: OrderedDict = OrderedDict()
 _EXECUTORS_SIZE = 16
 
 
-def _executor(leaves: Leaves, tplans: list[TensorPlan], key: tuple, transport: str, cap: int) -> _Executor:
+def _executor(leaves: Leaves, tplans: list[TensorPlan], key: tuple, transport: str, cap: int,
+              host_packing: bool) -> _Executor:
     ex = _EXECUTORS.get(key)
     if ex is None:
-        ex = _Executor(leaves, tplans, transport, cap)
+        ex = _Executor(leaves, tplans, transport, cap, host_packing)
         _EXECUTORS[key] = ex
         while len(_EXECUTORS) > _EXECUTORS_SIZE:
             _EXECUTORS.popitem(last=False)
@@ -709,9 +788,11 @@ def transfer(params: Any, target: Any, *, plan: Plan | TensorPlan | None = None,
         tplans = [p[n] for n in (path_str(q) for q in p.paths)]
         plan = p
     transport = _resolve_transport(transport, leaves)
+    platforms = {d.platform for v in leaves.values for d in v.sharding.device_set}
+    host_packing = transport != "memcpy" and platforms <= _HOST_PACKING_BACKENDS
     key = (plan, leaves.shardings, tuple(v.sharding for v in leaves.values),
-           tuple(dt.name for dt in leaves.dtypes), transport, cap)
-    ex = _executor(leaves, tplans, key, transport, cap)
+           tuple(dt.name for dt in leaves.dtypes), transport, cap, host_packing)
+    ex = _executor(leaves, tplans, key, transport, cap, host_packing)
     out = ex(leaves.values, donate)
     return jax.tree_util.tree_unflatten(leaves.treedef, out)
 

@@ -23,8 +23,22 @@ from jreshard import _transfer, reference
 DEVICES = np.array(jax.devices())
 TRAIN = jax.sharding.Mesh(DEVICES[:4], ("fsdp",))
 SERVE = jax.sharding.Mesh(DEVICES[4:8].reshape(2, 2), ("dp", "tp"))
-TRANSPORTS = ("memcpy", "device_put", "collective")
+# Transports, and "/xla": packing with compiled XLA programs (what backends whose
+# buffers are not host memory use) instead of NumPy copies.
+TRANSPORTS = ("memcpy", "device_put", "collective", "device_put/xla", "collective/xla")
 DTYPES = ("float32", "bfloat16", "int8", "int32")
+
+
+def xfer(params, target, transport="auto", **kwargs):
+    """``jreshard.transfer`` with one of TRANSPORTS."""
+    name, _, packing = transport.partition("/")
+    old = _transfer._HOST_PACKING_BACKENDS
+    if packing == "xla":
+        _transfer._HOST_PACKING_BACKENDS = frozenset()
+    try:
+        return jreshard.transfer(params, target, transport=name, **kwargs)
+    finally:
+        _transfer._HOST_PACKING_BACKENDS = old
 
 
 def host_array(shape, dtype, rng) -> np.ndarray:
@@ -113,7 +127,7 @@ def test_sweep_bit_exact_against_oracle(case):
         params[name] = jax.device_put(host, NamedSharding(src_mesh, sspec))
         target[name] = NamedSharding(dst_mesh, dspec)
     plan = jreshard.plan(params, target)
-    out = jreshard.transfer(params, target, plan=plan, transport=transport, max_bytes_in_flight=cap)
+    out = xfer(params, target, plan=plan, transport=transport, max_bytes_in_flight=cap)
     assert_matches_oracle(out, params, hosts, [target[k] for k in leaves], plan)
 
 
@@ -145,20 +159,20 @@ def _target(params):
 def test_pytree_of_mixed_leaves_with_one_sharding_per_leaf(model, transport):
     hosts, params = model
     target = _target(params)
-    out = jreshard.transfer(params, target, transport=transport)
+    out = xfer(params, target, transport=transport)
     plan = jreshard.plan(params, target)
     assert_matches_oracle(out, params, jax.tree_util.tree_leaves(hosts), jax.tree_util.tree_leaves(target), plan)
     s = plan.stats()
     assert s.network_bytes == s.lower_bound_bytes
 
 
-@pytest.mark.parametrize("transport", ["device_put", "collective"])
+@pytest.mark.parametrize("transport", ["collective", "device_put/xla", "collective/xla"])
 def test_second_sync_does_not_retrace(model, transport):
     _, params = model
     target = _target(params)
-    jreshard.transfer(params, target, transport=transport)
+    xfer(params, target, transport=transport)
     before = _transfer._TRACES
-    jax.block_until_ready(jreshard.transfer(params, target, transport=transport))
+    jax.block_until_ready(xfer(params, target, transport=transport))
     assert _transfer._TRACES == before
 
 
@@ -167,7 +181,7 @@ def test_dtype_cast_as_pytree_moves_only_cast_bytes(model, transport):
     hosts, params = model
     target = _target(params)
     dtype = {"embed": jnp.bfloat16, "layers": [{"wq": None, "norm": "bfloat16"}, None], "step": None}
-    out = jreshard.transfer(params, target, dtype=dtype, transport=transport)
+    out = xfer(params, target, dtype=dtype, transport=transport)
     assert out["embed"].dtype == jnp.bfloat16 and out["layers"][0]["norm"].dtype == jnp.bfloat16
     assert out["layers"][1]["norm"].dtype == jnp.float32 and out["step"].dtype == jnp.int32
     want = np.asarray(jnp.asarray(hosts["embed"]).astype(jnp.bfloat16))  # XLA's rounding
@@ -181,7 +195,7 @@ def test_dtype_cast_as_pytree_moves_only_cast_bytes(model, transport):
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_donate_deletes_sources_once_sent(model, transport):
     hosts, params = model
-    out = jreshard.transfer(params, _target(params), donate=True, transport=transport)
+    out = xfer(params, _target(params), donate=True, transport=transport)
     assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(params))
     np.testing.assert_array_equal(bits(out["embed"]), bits(hosts["embed"]))
 
@@ -219,14 +233,14 @@ def test_plan_from_shape_dtype_structs_is_reused_and_refused_when_it_does_not_ma
         jreshard.transfer(params, target, plan=jreshard.plan(params, target, dtype=jnp.bfloat16))
 
 
-@pytest.mark.parametrize("transport", ["device_put", "collective"])
+@pytest.mark.parametrize("transport", ["device_put", "collective", "collective/xla"])
 def test_tensor_larger_than_the_cap_arrives_intact_in_waves(transport):
     rng = np.random.default_rng(1)
     host = host_array((32, 16), "float32", rng)  # 2 KiB; each device receives 1 KiB
     x = jax.device_put(host, NamedSharding(TRAIN, P("fsdp")))
     target = NamedSharding(SERVE, P(None, "tp"))
     cap = 400
-    out = jreshard.transfer(x, target, max_bytes_in_flight=cap, transport=transport)
+    out = xfer(x, target, max_bytes_in_flight=cap, transport=transport)
     np.testing.assert_array_equal(bits(out), bits(host))
     assert out.sharding == target
     ex = next(reversed(_transfer._EXECUTORS.values()))
@@ -261,7 +275,7 @@ def test_auto_uses_memcpy_on_cpu_in_one_process(model):
 def test_empty_and_scalar_leaves(transport):
     empty = jax.device_put(np.zeros((0, 8), np.float32), NamedSharding(TRAIN, P(None, "fsdp")))
     scalar = jax.device_put(np.float32(3.5), NamedSharding(TRAIN, P()))
-    out = jreshard.transfer({"e": empty, "s": scalar}, NamedSharding(SERVE, P()), transport=transport)
+    out = xfer({"e": empty, "s": scalar}, NamedSharding(SERVE, P()), transport=transport)
     assert out["e"].shape == (0, 8) and out["e"].sharding == NamedSharding(SERVE, P())
     assert float(out["s"]) == 3.5 and out["s"].sharding == NamedSharding(SERVE, P())
 
@@ -345,14 +359,14 @@ def test_deleted_input_is_refused():
 
 
 def test_all_layout_pairs_of_a_small_mesh_pair_exhaustively():
-    """Every spec pair of a 2-D tensor between FSDP4 and TP2xDP2 with the collective transport."""
+    """Spec pairs of a 2-D tensor between FSDP4 and TP2xDP2, collective transport with XLA packing."""
     host = np.arange(8 * 8, dtype=np.int32).reshape(8, 8)
     src_specs = [P(), P("fsdp"), P(None, "fsdp")]
     dst_specs = [P(), P(None, "tp"), P("tp", "dp"), P(None, ("tp", "dp"))]
     params = {f"s{i}": jax.device_put(host, NamedSharding(TRAIN, s)) for i, s in enumerate(src_specs)}
     for j, d in enumerate(dst_specs):
         target = NamedSharding(SERVE, d)
-        out = jreshard.transfer(params, target, transport="collective")
+        out = xfer(params, target, transport="collective/xla")
         for i in range(len(src_specs)):
             assert out[f"s{i}"].sharding == target
             np.testing.assert_array_equal(np.asarray(out[f"s{i}"]), host, err_msg=f"{src_specs[i]} -> {d}")
