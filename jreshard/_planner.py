@@ -189,9 +189,13 @@ def _fmt(n: float, unit: str) -> str:
     return f"{int(n)} B"
 
 
-def _stats(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, lower: int, naive: int, unit: str) -> PlanStats:
+def _stats(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, lower: int, naive: int, unit: str,
+           count: np.ndarray | None = None) -> PlanStats:
+    """Statistics of move rows; ``count`` says how many moves a row stands for (default 1)."""
     net = src != dst
     ns, nd, nb = src[net], dst[net], nbytes[net]
+    n_net = int(net.sum()) if count is None else int(count[net].sum())
+    n_local = int((~net).sum()) if count is None else int(count[~net].sum())
     if len(ns):
         top = int(max(ns.max(), nd.max())) + 1
         # Device ids are ranks: dense tables (bincount) beat sorting millions of moves.
@@ -208,8 +212,8 @@ def _stats(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, lower: int, nai
         local_bytes=int(nbytes[~net].sum()),
         lower_bound_bytes=int(lower),
         naive_bytes=int(naive),
-        moves=int(net.sum()),
-        local_moves=int((~net).sum()),
+        moves=n_net,
+        local_moves=n_local,
         messages=int(pairs),
         max_send_bytes=int(sent.max()) if len(sent) else 0,
         mean_send_bytes=float(sent.mean()) if len(sent) else 0.0,
@@ -333,8 +337,8 @@ class Plan:
         g, a, b = self._index[leaf]
         res = self._groups[g]
         src, dst, itemsize = self._leaves[leaf]
-        return TensorPlan(src, dst, itemsize, res.src[a:b], res.dst[a:b], res.lo[a:b], res.hi[a:b],
-                          int(res.lower[leaf]), int(res.naive[leaf]))
+        s, d, lo, hi = res.rows(a, b)
+        return TensorPlan(src, dst, itemsize, s, d, lo, hi, int(res.lower[leaf]), int(res.naive[leaf]))
 
     @property
     def tensors(self) -> dict[str, TensorPlan]:
@@ -365,15 +369,14 @@ class Plan:
     def stats(self) -> PlanStats:
         if self._stats is None:
             if self._groups:
-                src = np.concatenate([g.src for g in self._groups])
-                dst = np.concatenate([g.dst for g in self._groups])
-                nb = np.concatenate([g.nbytes for g in self._groups])
+                parts = [g.compressed() for g in self._groups]
+                src, dst, nb, count = (np.concatenate([p[k] for p in parts]) for k in range(4))
             else:
-                src = dst = nb = np.zeros(0, np.int64)
+                src = dst = nb = count = np.zeros(0, np.int64)
             lower = sum(int(g.lower.sum()) for g in self._groups)
             naive = sum(int(g.naive.sum()) for g in self._groups)
             unit = "bytes" if any((s.dtype or d.dtype) for s, d, _ in self._leaves) else "elements"
-            self._stats = _stats(src, dst, nb, lower, naive, unit)
+            self._stats = _stats(src, dst, nb, lower, naive, unit, count)
         return self._stats
 
     def check(self) -> None:
@@ -406,13 +409,97 @@ class Plan:
 
 @dataclasses.dataclass(slots=True)
 class _GroupResult:
-    src: np.ndarray
-    dst: np.ndarray
-    lo: np.ndarray
-    hi: np.ndarray
-    nbytes: np.ndarray
+    """A group's move rows, tensor after tensor.
+
+    General groups hold the rows as arrays. Regular groups (senders fixed by the mesh
+    pair, no split rows) hold one sorted row set per mesh pair instead: tensor k's
+    rows are its pair's rows with bytes scaled by its itemsize, so nothing of size
+    tensors x pieces is built unless asked for (``src``, ``dst``, ... properties).
+    """
+
     lower: dict  # leaf -> bytes
     naive: dict
+    _src: np.ndarray | None = None
+    _dst: np.ndarray | None = None
+    _nbytes: np.ndarray | None = None
+    _lo: np.ndarray | None = None
+    _hi: np.ndarray | None = None
+    # Regular groups: per mesh pair c, sorted rows psrc[c], pdst[c] of pieces perm[c].
+    pieces: _Pieces | None = None
+    perm: np.ndarray | None = None  # [C, M], None when every pair keeps piece order
+    psrc: np.ndarray | None = None  # [C, M]
+    pdst: np.ndarray | None = None  # [C, M]
+    inv: np.ndarray | None = None  # [T] pair of each tensor
+    itemsize: np.ndarray | None = None  # [T]
+
+    def _piece_boxes(self, c: int) -> tuple[np.ndarray, np.ndarray]:
+        if self.perm is None:
+            return self.pieces.lo, self.pieces.hi  # read-only, shared
+        lo, hi = self.pieces.lo[self.perm[c]], self.pieces.hi[self.perm[c]]
+        lo.setflags(write=False)
+        hi.setflags(write=False)
+        return lo, hi
+
+    def rows(self, a: int, b: int) -> tuple[np.ndarray, ...]:
+        """(src, dst, lo, hi) of rows a:b, one tensor's range."""
+        if self._src is not None:
+            return self._src[a:b], self._dst[a:b], self._lo[a:b], self._hi[a:b]
+        M = self.psrc.shape[1]
+        c = int(self.inv[a // M])
+        lo, hi = self._piece_boxes(c)
+        return (self.psrc[c], self.pdst[c], lo, hi)
+
+    def _expand(self) -> None:
+        T, M = len(self.inv), self.psrc.shape[1]
+        order = np.arange(M)[None, :] if self.perm is None else self.perm[self.inv]
+        src, dst = self.psrc[self.inv].ravel(), self.pdst[self.inv].ravel()
+        piece = np.broadcast_to(order, (T, M)).ravel()
+        lo, hi = self.pieces.lo[piece], self.pieces.hi[piece]
+        nb = self.pieces.vol[piece] * np.repeat(self.itemsize, M)
+        for x in (src, dst, lo, hi, nb):
+            x.setflags(write=False)
+        self._src, self._dst, self._lo, self._hi, self._nbytes = src, dst, lo, hi, nb
+
+    def compressed(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(src, dst, nbytes, moves): rows of equal sender and receiver merged, with counts."""
+        if self._src is not None or self.psrc is None:
+            return self._src, self._dst, self._nbytes, np.ones(len(self._src), np.int64)
+        C, M = self.psrc.shape
+        weight = np.bincount(self.inv, weights=self.itemsize, minlength=C).astype(np.int64)  # bytes per element
+        count = np.bincount(self.inv, minlength=C).astype(np.int64)
+        vol = self.pieces.vol[self.perm] if self.perm is not None else np.broadcast_to(self.pieces.vol, (C, M))
+        return (self.psrc.ravel(), self.pdst.ravel(), (vol * weight[:, None]).ravel(),
+                np.repeat(count, M))
+
+    @property
+    def src(self) -> np.ndarray:
+        if self._src is None:
+            self._expand()
+        return self._src
+
+    @property
+    def dst(self) -> np.ndarray:
+        if self._src is None:
+            self._expand()
+        return self._dst
+
+    @property
+    def nbytes(self) -> np.ndarray:
+        if self._src is None:
+            self._expand()
+        return self._nbytes
+
+    @property
+    def lo(self) -> np.ndarray:
+        if self._src is None:
+            self._expand()
+        return self._lo
+
+    @property
+    def hi(self) -> np.ndarray:
+        if self._src is None:
+            self._expand()
+        return self._hi
 
 
 class _Lower(dict):
@@ -501,8 +588,10 @@ def _plan_leaves(leaves: list[tuple[Layout, Layout, int]], balance: bool = True)
         local_c = dst_src_shard[:, pieces.dst_pos] == pieces.src_shard[None, :]
         cands_c = src_ids[:, groups[pieces.src_shard]] if M else np.zeros((C, 0, R), np.int64)  # [C, M, R]
         psrc_c = np.where(local_c, pdst_c, cands_c[:, :, 0] if M else pdst_c)
-        pdst = pdst_c[inv].ravel()
-        psrc = psrc_c[inv].ravel()
+        # Per-tensor rows are built only where replicas are chosen per row (below);
+        # other groups keep their rows per mesh pair.
+        pdst = pdst_c[inv].ravel() if R > 1 or not M else None
+        psrc = psrc_c[inv].ravel() if R > 1 or not M else None
         staged.append((key, members, pieces, None, psrc, pdst, itemsize, lower, naive_d, inv, pdst_c, psrc_c))
         if R > 1 and M:
             free = ~local_c[inv].ravel()
@@ -541,23 +630,37 @@ def _plan_leaves(leaves: list[tuple[Layout, Layout, int]], balance: bool = True)
     for gi, (key, members, pieces, tcol, psrc, pdst, itemsize, lower, naive_d, inv, pdst_c, psrc_c) in enumerate(staged):
         T, M = len(members), len(pieces.dst_pos)
         if gi not in splits and M:
-            rows = _presorted_rows(pieces, inv, pdst_c, psrc_c, with_src=gi not in choice_groups)
+            if gi not in choice_groups:
+                perms = _pair_order(pieces, pdst_c, psrc_c)
+                take = (lambda x: x) if perms is None else (lambda x: np.take_along_axis(x, perms, axis=1))
+                ps, pd = take(psrc_c), take(pdst_c)
+                for x in (ps, pd, inv, itemsize):
+                    x.setflags(write=False)
+                for k, m in enumerate(members):
+                    index[m] = (gi, k * M, (k + 1) * M)
+                results.append(_GroupResult(lower, naive_d, pieces=pieces, perm=perms, psrc=ps, pdst=pd,
+                                            inv=inv, itemsize=itemsize))
+                continue
+            rows = _presorted_rows(pieces, inv, pdst_c, psrc_c, with_src=False)
             if rows is not None:
+                uniform = (itemsize == itemsize[0]).all()
                 if rows is _IN_ORDER:
-                    s, d = psrc, pdst
-                    lo, hi, vol = np.tile(pieces.lo, (T, 1)), np.tile(pieces.hi, (T, 1)), np.tile(pieces.vol, T)
+                    s, d, piece = psrc, pdst, None
+                    nbytes = (np.tile(pieces.vol * int(itemsize[0]), T) if uniform
+                              else np.tile(pieces.vol, T) * np.repeat(itemsize, M))
                 else:
                     s, d = psrc[rows], pdst[rows]
                     piece = rows % M
-                    lo, hi, vol = pieces.lo[piece], pieces.hi[piece], pieces.vol[piece]
-                uniform = (itemsize == itemsize[0]).all()
-                nbytes = vol * int(itemsize[0]) if uniform else vol * np.repeat(itemsize, M)
-                for a in (s, d, lo, hi, nbytes):
+                    vol = pieces.vol[piece]
+                    nbytes = vol * int(itemsize[0]) if uniform else vol * np.repeat(itemsize, M)
+                for a in (s, d, nbytes) + ((piece,) if piece is not None else ()):
                     a.setflags(write=False)
                 bounds = np.arange(T + 1) * M
                 for k, m in enumerate(members):
                     index[m] = (gi, int(bounds[k]), int(bounds[k + 1]))
-                results.append(_GroupResult(s, d, lo, hi, nbytes, lower, naive_d))
+                lo, hi = (np.tile(pieces.lo, (T, 1)), np.tile(pieces.hi, (T, 1))) if piece is None else \
+                    (pieces.lo[piece], pieces.hi[piece])
+                results.append(_GroupResult(lower, naive_d, s, d, nbytes, lo, hi))
                 continue
         lo = np.tile(pieces.lo, (T, 1))
         hi = np.tile(pieces.hi, (T, 1))
@@ -587,7 +690,7 @@ def _plan_leaves(leaves: list[tuple[Layout, Layout, int]], balance: bool = True)
             index[m] = (gi, int(bounds[k]), int(bounds[k + 1]))
         for a in (s, d, lo, hi, nbytes):
             a.setflags(write=False)
-        results.append(_GroupResult(s, d, lo, hi, nbytes, lower, naive_d))
+        results.append(_GroupResult(lower, naive_d, s, d, nbytes, lo, hi))
     return results, index
 
 
@@ -614,6 +717,16 @@ def _unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _sum_by(ids: np.ndarray, weights: np.ndarray) -> tuple[list[int], list[float]]:
     uniq, inv = np.unique(ids, return_inverse=True)
     return uniq.tolist(), np.bincount(inv.ravel(), weights=weights, minlength=len(uniq)).tolist()
+
+
+def _pair_order(pieces: _Pieces, pdst_c: np.ndarray, psrc_c: np.ndarray) -> np.ndarray | None:
+    """Per mesh pair, the piece order sorted by (dst, src, box); ``None`` when already sorted."""
+    M = len(pieces.dst_pos)
+    box_keys = [pieces.lo[:, k] for k in range(pieces.lo.shape[1] - 1, -1, -1)]
+    perms = np.empty(pdst_c.shape, dtype=np.int64)
+    for c in range(len(pdst_c)):
+        perms[c] = np.lexsort(box_keys + [psrc_c[c], pdst_c[c]])
+    return None if (perms == np.arange(M)).all() else perms
 
 
 _IN_ORDER = np.zeros(0, dtype=np.int64)  # sentinel: the tiled rows are already sorted

@@ -229,20 +229,20 @@ def predict(traffic: Traffic, topo: Topology) -> Prediction:
                       int(traffic.net_in.max()), int(traffic.net_out.max()))
 
 
-def _plan_arrays(p: Plan | jreshard.TensorPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _plan_arrays(p: Plan | jreshard.TensorPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(src, dst, bytes, moves) rows of a plan; a row may stand for several moves."""
     if isinstance(p, Plan):
-        groups = p._groups
-        if not groups:
+        parts = [g.compressed() for g in p._groups]
+        if not parts:
             e = np.zeros(0, np.int64)
-            return e, e, e
-        return (np.concatenate([g.src for g in groups]), np.concatenate([g.dst for g in groups]),
-                np.concatenate([g.nbytes for g in groups]))
-    return p.move_src, p.move_dst, p.move_bytes
+            return e, e, e, e
+        return tuple(np.concatenate([x[k] for x in parts]) for k in range(4))
+    return p.move_src, p.move_dst, p.move_bytes, np.ones(len(p.move_src), np.int64)
 
 
 def plan_traffic(p: Plan | jreshard.TensorPlan, topo: Topology) -> Traffic:
     """Per-device loads of a plan, its sends coalesced per (sender, receiver) pair."""
-    src, dst, nb = _plan_arrays(p)
+    src, dst, nb, _ = _plan_arrays(p)
     traffic = Traffic.zeros(0)
     net = src != dst
     src, dst, nb = src[net], dst[net], nb[net]
@@ -403,8 +403,8 @@ def gather_broadcast(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo:
     roots = _roots(src, names)
     gather = plan({n: src[n] for n in names}, roots, balance=False)
     traffic = Traffic.zeros(0)
-    s, d, nb = _plan_arrays(gather)
-    traffic.add_edges(s, d, nb, np.ones(len(s)), topo)  # one message per piece per tensor
+    s, d, nb, moves = _plan_arrays(gather)
+    traffic.add_edges(s, d, nb, moves, topo)  # one message per piece per tensor
     first = predict(traffic, topo)
 
     # Broadcast: group tensors by destination mesh and spec, build each group's chain.

@@ -1,0 +1,90 @@
+"""Planner speed: a synthetic 10,000-tensor pytree (256 -> 128 devices) cold and cached, and
+single tensors on growing meshes up to 1,024 -> 512 devices.
+
+Run: ``.venv/bin/python benchmarks/plan_bench.py`` (one core: ``OMP_NUM_THREADS=1``).
+Cold means after ``jreshard.clear_cache()``; the first cold run of a process also pays
+for fresh memory, so both the first and the best of three are printed.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+
+import jreshard  # noqa: E402
+from jreshard import Layout, Mesh  # noqa: E402
+
+try:
+    from benchmarks._common import banner, timed
+except ImportError:  # run as a script from benchmarks/
+    from _common import banner, timed
+
+SHAPES = {"wq": (4096, 4096), "wk": (1024, 4096), "wv": (1024, 4096), "wo": (4096, 4096),
+          "gate": (11008, 4096), "up": (11008, 4096), "down": (4096, 11008), "norm1": (4096,), "norm2": (4096,),
+          "bias": (11008,)}
+COLUMN = {"wq", "wk", "wv", "gate", "up", "bias"}
+
+
+def synthetic_tree(n_tensors: int = 10_000) -> tuple[dict, dict]:
+    """A Llama-like pytree {layers: [{name: Layout}]}: FSDP(32) x TP(8) on 0..255 -> TP(8) x DP(16) on 256..383."""
+    src_mesh = Mesh(np.arange(256).reshape(32, 8), ("fsdp", "tp"))
+    dst_mesh = Mesh(np.arange(256, 384).reshape(16, 8), ("dp", "tp"))
+    src, dst = {"layers": []}, {"layers": []}
+    for _ in range(n_tensors // len(SHAPES)):
+        s_layer, d_layer = {}, {}
+        for name, shape in SHAPES.items():
+            if len(shape) == 1:
+                s_spec, d_spec = ("fsdp",), (("tp",) if name in COLUMN else ())
+            elif name in COLUMN:
+                s_spec, d_spec = ("tp", "fsdp"), ("tp", None)
+            else:
+                s_spec, d_spec = ("fsdp", "tp"), (None, "tp")
+            s_layer[name] = Layout(shape, src_mesh, s_spec, "bfloat16")
+            d_layer[name] = Layout(shape, dst_mesh, d_spec, "bfloat16")
+        src["layers"].append(s_layer)
+        dst["layers"].append(d_layer)
+    return src, dst
+
+
+def cold(src, dst):
+    jreshard.clear_cache()
+    return jreshard.plan(src, dst)
+
+
+def big_tensor(n_src: int) -> tuple[Layout, Layout]:
+    """(65536, 8192) from FSDP(n/8) x TP(8) onto TP(8) x DP(n/16) on the next n/2 devices."""
+    src = Layout((65536, 8192), Mesh(np.arange(n_src).reshape(n_src // 8, 8), ("fsdp", "tp")), ("fsdp", "tp"), "bfloat16")
+    n_dst = n_src // 2
+    dst = Layout((65536, 8192), Mesh(np.arange(n_src, n_src + n_dst).reshape(n_dst // 8, 8), ("dp", "tp")),
+                 (None, "tp"), "bfloat16")
+    return src, dst
+
+
+def main() -> None:
+    print(banner("jreshard planner benchmark"))
+    src, dst = synthetic_tree()
+    first, p = timed(lambda: cold(src, dst))
+    best, p = timed(lambda: cold(src, dst), repeat=3)
+    warm, _ = timed(lambda: jreshard.plan(src, dst), repeat=5)
+    s = p.stats()
+    print(f"\n10,000-tensor pytree, 256 -> 128 devices: {len(p)} tensors, {s.moves:,} network moves")
+    print(f"  cold (first in process)  {first * 1e3:9.1f} ms")
+    print(f"  cold (best of 3)         {best * 1e3:9.1f} ms")
+    print(f"  cached                   {warm * 1e3:9.3f} ms   (cold / cached = {best / warm:,.0f}x)")
+    print(f"  bytes moved = lower bound: {s.network_bytes == s.lower_bound_bytes}; "
+          f"sender imbalance {s.send_imbalance:.3f}")
+    print("\nOne (65536, 8192) tensor, FSDP x TP -> TP x DP, growing meshes (time per device should stay flat):")
+    print(f"  {'src -> dst':>12}  {'moves':>9}  {'cold ms':>9}  {'us per device':>13}")
+    for n in (128, 256, 512, 1024):
+        a, b = big_tensor(n)
+        t, tp = timed(lambda a=a, b=b: cold(a, b), repeat=3)
+        st = tp.stats()
+        assert st.network_bytes == st.lower_bound_bytes
+        print(f"  {n:>5} -> {n // 2:<4}  {st.moves:>9,}  {t * 1e3:>9.1f}  {t * 1e6 / (n + n // 2):>13.1f}")
+
+
+if __name__ == "__main__":
+    main()
