@@ -49,9 +49,25 @@ def plan_a_model() -> Figure:
                                title=f"{s.name}: predicted full weight sync")
 
 
+def jax_to_torch() -> Figure:
+    """03_jax_to_torch: the q part of a fused qkv_proj, from a flax FSDP kernel to two torch TP ranks."""
+    import bridge
+    from jreshard.nn import LlamaConfig, fsdp_spec, param_shapes
+
+    cfg = LlamaConfig.load("llama-tiny")
+    source = bridge.Source.build(param_shapes(cfg), bridge.trainer_mesh((4,), "fsdp", ranks=[0], devices_per_rank=4),
+                                 fsdp_spec)
+    plan = bridge.BridgePlan(source, bridge.llama_mapping(cfg, source, tp_ranks=[1, 2], fused=True),
+                             bucket_bytes=4 << 20)
+    q_job = next(name for name in plan.plan.tensors if "layers.0.self_attn.qkv_proj.weight#0" in name)
+    return viz.draw_plan(plan.plan[q_job], title="flax q_proj kernel [in, out], FSDP over 4 JAX devices -> "
+                                                 "q rows of qkv_proj on torch TP ranks 1 and 2 (transposed on arrival)")
+
+
 FIGURES: dict[str, Callable[[], Figure]] = {
     "01_quickstart": quickstart,
     "02_plan_a_model": plan_a_model,
+    "03_jax_to_torch": jax_to_torch,
 }
 
 

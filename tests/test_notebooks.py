@@ -1,0 +1,52 @@
+"""The notebooks run top to bottom on a python3 kernel of this environment; a failing cell fails."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat", reason="executing notebooks needs the dev extra (nbformat)")
+nbclient = pytest.importorskip("nbclient", reason="executing notebooks needs the dev extra (nbclient)")
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+CELL_TIMEOUT_S = 300
+
+
+def test_there_are_notebooks():
+    assert [p.name for p in NOTEBOOKS][:3] == ["01_quickstart.ipynb", "02_plan_a_model.ipynb", "03_jax_to_torch.ipynb"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_stored_without_outputs_and_simulates_devices_first(path):
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    for i, cell in enumerate(code):
+        assert cell.outputs == [] and cell.execution_count is None, (
+            f"{path.name}: code cell {i} is stored with outputs; clear them before committing "
+            "(jupyter nbconvert --clear-output --inplace notebooks/*.ipynb)")
+    first = code[0].source
+    # The device count can only be set before jax is first imported in the kernel.
+    assert "--xla_force_host_platform_device_count=8" in first
+    assert first.index("xla_force_host_platform_device_count") < first.find("import jax") or "import jax" not in first
+    assert nb.metadata.kernelspec.name == "python3"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_executes(path, monkeypatch):
+    # The kernel inherits this environment: the repository on the path, no GPU, one thread per op.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+    nb = nbformat.read(path, as_version=4)
+    # jupyter_client runs the 'python3' kernel with this interpreter (it replaces a bare 'python').
+    client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
+                                     resources={"metadata": {"path": str(path.parent)}})
+    client.execute()
+    errors = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs
+              if out.output_type == "error"]
+    assert errors == []
