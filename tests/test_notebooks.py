@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -50,3 +52,15 @@ def test_notebook_executes(path, monkeypatch):
     errors = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs
               if out.output_type == "error"]
     assert errors == []
+
+
+def test_render_figures_draws_one_picture_per_notebook(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "notebooks" / "render_figures.py"), "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    pictures = sorted(p.name for p in tmp_path.iterdir())
+    assert pictures == [f"{p.stem}.png" for p in NOTEBOOKS]
+    for name in pictures:
+        assert (tmp_path / name).read_bytes().startswith(b"\x89PNG")
+    # The README shows the committed copies: one for each notebook.
+    assert sorted(p.name for p in (ROOT / "docs" / "images").glob("0*.png")) == pictures
