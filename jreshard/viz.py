@@ -101,7 +101,7 @@ def _devices_text(devices: Sequence[int], limit: int = 4) -> str:
 
 
 def _fitting_label(devices: Sequence[int], width_pt: float, height_pt: float, font: float) -> str | None:
-    """The longest of 'a, b, c', 'a+2' and 'a' that fits a box of this size, else None."""
+    """The device list ('4, 6'), else its short form ('4+1'), if it fits a box of this size; else None."""
     if height_pt < 1.4 * font:
         return None
     shortest = [_devices_text(devices), f"{devices[0]}+{len(devices) - 1}" if len(devices) > 1 else str(devices[0])]
@@ -111,7 +111,7 @@ def _fitting_label(devices: Sequence[int], width_pt: float, height_pt: float, fo
     return None
 
 
-def _check_layout(layout: Any, arg: str) -> Layout:
+def _require_drawable(layout: Any, arg: str) -> Layout:
     if not isinstance(layout, Layout):
         raise TypeError(
             f"{arg} must be a jreshard.Layout, got {type(layout).__name__} {layout!r}; "
@@ -125,7 +125,7 @@ def _check_layout(layout: Any, arg: str) -> Layout:
     return layout
 
 
-def _check_tensor_plan(tplan: Any, arg: str = "tplan") -> TensorPlan:
+def _require_tensor_plan(tplan: Any, arg: str = "tplan") -> TensorPlan:
     if isinstance(tplan, Plan):
         raise TypeError(
             f"{arg} must be the TensorPlan of one tensor, got a Plan of {len(tplan)} tensors; "
@@ -182,7 +182,7 @@ def draw_layout(layout: Layout, *, ax: Any = None, title: str | None = None,
       TypeError: ``layout`` is not a Layout.
       ValueError: the tensor has rank above 2.
     """
-    layout = _check_layout(layout, "layout")
+    layout = _require_drawable(layout, "layout")
     if ax is None:
         fig = _new_figure((5.2, 4.2))
         ax = fig.add_subplot()
@@ -283,9 +283,9 @@ def draw_plan(tplan: TensorPlan, *, title: str | None = None) -> Figure:
       TypeError: ``tplan`` is not a TensorPlan.
       ValueError: the tensor has rank above 2.
     """
-    tplan = _check_tensor_plan(tplan)
-    _check_layout(tplan.src, "tplan.src")
-    _check_layout(tplan.dst, "tplan.dst")
+    tplan = _require_tensor_plan(tplan)
+    _require_drawable(tplan.src, "tplan.src")
+    _require_drawable(tplan.dst, "tplan.dst")
     colors = device_colors([*tplan.src.mesh.device_ids, *tplan.dst.mesh.device_ids])
     fig = _new_figure((13.5, 4.6))
     axes = fig.subplots(1, 3, gridspec_kw={"width_ratios": [1.0, 0.75, 1.0]})

@@ -266,6 +266,23 @@ def test_draw_sweep_lines():
     assert png_bytes(fig).startswith(b"\x89PNG")
 
 
+def test_plans_that_move_nothing_still_draw():
+    same = Layout((4, 4), TRAIN, ("fsdp",), dtype="float32")
+    tp = jreshard.plan(same, same)
+    fig = viz.draw_plan(tp)
+    assert gids(fig.axes[1], "flow:") == [] and len(gids(fig.axes[1], "local:")) == 4
+    assert "0 network moves" in fig.get_suptitle()
+    assert viz.traffic_matrix(tp)[2].sum() == 0
+    assert viz.draw_traffic(tp, include_local=True).axes[0].images[0].get_array().sum() == same.nbytes
+    load = viz.draw_load(tp)
+    assert gids(load.axes[0], "send:") == [] and "0 devices send" in load.axes[0].get_title()
+    empty = Layout((0, 4), TRAIN, ("fsdp",))
+    fig = viz.draw_plan(jreshard.plan(empty, Layout((0, 4), SERVE, (None, "tp"))))
+    assert gids(fig.axes[0], "shard:") == []
+    for f in (fig, load):
+        assert png_bytes(f).startswith(b"\x89PNG")
+
+
 BIG = Layout((2, 2, 2), SERVE, ())
 ERRORS = [
     ("layout-not-layout", lambda: viz.draw_layout((4, 4)), TypeError, r"layout must be a jreshard.Layout, got tuple"),
