@@ -270,7 +270,8 @@ def draw_plan(tplan: TensorPlan, *, title: str | None = None) -> Figure:
     on the right; a line joins each (sender, receiver) pair, in the sender's colour,
     as thick as the bytes it carries (gid ``'flow:<src>-><dst>'``). Local copies are
     dashed grey lines (gid ``'local:<dev>'``). The destination panel outlines, for the
-    first holder of each shard, the boxes the plan assembles it from.
+    first holder of each shard, the boxes the plan assembles it from (when there are
+    at most 400 of them).
 
     Args:
       tplan: the TensorPlan of one tensor (``plan[path]`` for a Plan), rank 0 to 2.
@@ -310,15 +311,20 @@ def _mesh_text(layout: Layout) -> str:
     return f"{shape or 'single device'} on {span}"
 
 
+_MAX_OUTLINES = 400  # beyond this many pieces the outlines are a grey smear, not information
+
+
 def _outline_pieces(ax: Any, tplan: TensorPlan) -> None:
-    firsts = {g[0] for g in tplan.dst.replica_groups()}
-    for m in tplan.moves:
-        if m.dst not in firsts:
-            continue
-        x, y, w, h = _grid_2d(tplan.dst, m.box)
+    firsts = np.array(sorted({g[0] for g in tplan.dst.replica_groups()}), dtype=np.int64)
+    rows = np.flatnonzero(np.isin(tplan.move_dst, firsts))
+    if len(rows) > _MAX_OUTLINES:
+        return
+    for i in rows.tolist():
+        box = tuple(slice(int(a), int(b)) for a, b in zip(tplan.move_lo[i], tplan.move_hi[i], strict=True))
+        x, y, w, h = _grid_2d(tplan.dst, box)
         if w > 0 and h > 0:
-            ax.add_patch(Rectangle((x, y), w, h, fill=False, edgecolor="black", linewidth=0.6,
-                                   linestyle=(0, (2, 2)), gid=f"piece:{m.src}->{m.dst}"))
+            ax.add_patch(Rectangle((x, y), w, h, fill=False, edgecolor="black", linewidth=0.6, linestyle=(0, (2, 2)),
+                                   gid=f"piece:{int(tplan.move_src[i])}->{int(tplan.move_dst[i])}"))
 
 
 def _draw_flows(ax: Any, tplan: TensorPlan, colors: Mapping[int, Color]) -> None:
