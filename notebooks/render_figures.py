@@ -27,11 +27,11 @@ DPI = 110
 
 
 def quickstart() -> Figure:
-    """01_quickstart: a (12, 10) weight from FSDP rows on devices 0-3 to TP columns x DP on 4-7."""
+    """01_quickstart: a (10, 12) weight from FSDP rows on devices 0-3 to TP columns x DP on 4-7."""
     train = jreshard.Mesh([0, 1, 2, 3], ("fsdp",))
     serve = jreshard.Mesh([[4, 5], [6, 7]], ("dp", "tp"))
-    src = jreshard.Layout((12, 10), train, ("fsdp", None), dtype="float32")
-    dst = jreshard.Layout((12, 10), serve, (None, "tp"), dtype="float32")
+    src = jreshard.Layout((10, 12), train, ("fsdp", None), dtype="float32")
+    dst = jreshard.Layout((10, 12), serve, (None, "tp"), dtype="float32")
     return viz.draw_plan(jreshard.plan(src, dst))
 
 
