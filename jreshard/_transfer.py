@@ -42,6 +42,7 @@ import functools
 import math
 import numbers
 import os
+import threading
 from collections import OrderedDict, defaultdict
 from typing import Any
 
@@ -365,6 +366,12 @@ class _Executor:
 
     def __init__(self, leaves: Leaves, tplans: list[TensorPlan], transport: str, cap: int, host_packing: bool) -> None:
         self.host_packing = host_packing
+        # Host packing keeps one staging arena per sending device between syncs (at most
+        # the largest wave's send bytes, so at most the cap): fresh pages cost more to
+        # fault in than to fill. The lock serialises syncs that share the arenas.
+        self._arenas: dict[int, np.ndarray] = {}
+        self._zeros: dict[int, np.ndarray] = {}
+        self._lock = threading.Lock()
         self.shardings = leaves.shardings
         self.dtypes = list(leaves.dtypes)
         self.src_dtypes = [np.dtype(v.dtype) for v in leaves.values]
@@ -467,13 +474,15 @@ class _Executor:
             return outs[(i, d)]
 
         for prog in self.waves:
+            slots = self._slots(prog)
             views = self._views(shard, [(p.leaf, s) for s, (_, _, bufs) in prog.packs.items() for b, _ in bufs
                                         for p in b.pieces] +
                                 [(p.leaf, d) for d, u in prog.unpacks.items() for p in u[5]])
 
             def pack(task) -> np.ndarray:
                 s, b, width = task
-                buf = _aligned_empty((width,), np.uint8)
+                start = slots[(s, b.dst)]
+                buf = self._arenas[s][start:start + width]
                 for p, off in zip(b.pieces, b.offsets, strict=True):
                     isz = self.dtypes[p.leaf].itemsize
                     dst = buf[off:off + p.nbytes].view(_NP_UINT[isz]).reshape(p.shape)
@@ -483,7 +492,8 @@ class _Executor:
             tasks = [(s, b, width) for s, (_, _, bufs) in prog.packs.items() for b, width in bufs]
             filled = _map(pack, tasks)
             placed = jax.device_put(filled, [self.devices[s] for s, _, _ in tasks])
-            received = self._move(prog, {(b.src, b.dst): x for (_, b, _), x in zip(tasks, placed, strict=True)})
+            received, done = self._move(prog, {(b.src, b.dst): x for (_, b, _), x in zip(tasks, placed, strict=True)})
+            jax.block_until_ready(done)  # the arenas are free again once the sends are done
             for d, u in prog.unpacks.items():  # allocate in this thread, fill in the pool
                 for i in u[1] + u[2]:
                     out(i, d)
@@ -503,6 +513,29 @@ class _Executor:
         keys = list(outs)
         placed = jax.device_put([outs[(i, d)].view(self.dtypes[i]) for i, d in keys], [self.devices[d] for _, d in keys])
         return dict(zip(keys, placed, strict=True))
+
+    def _idle_input(self, device: Any, width: int) -> jax.Array:
+        """The input of a device that sends nothing in a round (ppermute needs one from every device)."""
+        if not self.host_packing:
+            return jnp.zeros((width,), jnp.uint8, device=device)
+        # On host memory, a view of one kept zero arena per device, adopted without a copy.
+        arena = self._zeros.get(device.id)
+        if arena is None or len(arena) < width:
+            arena = self._zeros[device.id] = _aligned_empty((width,), np.uint8)
+            arena[...] = 0
+        return jax.device_put(arena[:width], device)
+
+    def _slots(self, prog: _WaveProgram) -> dict[tuple[int, int], int]:
+        """Where each of this wave's send buffers starts in its sender's arena (grown as needed)."""
+        slots, size = {}, defaultdict(int)
+        for s, (_, _, bufs) in prog.packs.items():
+            for b, width in bufs:
+                slots[(s, b.dst)] = size[s]
+                size[s] += -(-width // 64) * 64
+        for s, n in size.items():
+            if s not in self._arenas or len(self._arenas[s]) < n:
+                self._arenas[s] = _aligned_empty((n,), np.uint8)
+        return slots
 
     def _memcpy(self, shard) -> dict[tuple[int, int], jax.Array]:
         """Copies every box between the devices' host buffers (CPU backend, one process)."""
@@ -583,7 +616,7 @@ class _Executor:
                 outs = fn(*(shard(i, s) for i in leaves))
                 for (b, _), o in zip(bufs, outs, strict=True):
                     packed[(b.src, b.dst)] = o
-            received = self._move(prog, packed)
+            received, _ = self._move(prog, packed)
             last = []
             for d, (fn, carried, fresh, bufs, local_leaves, _) in prog.unpacks.items():
                 outs = fn(tuple(results.pop((i, d)) for i in carried),
@@ -615,17 +648,19 @@ class _Executor:
                     v.delete()
         return out
 
-    def _move(self, prog: _WaveProgram, packed: dict[tuple[int, int], jax.Array]) -> dict[tuple[int, int], jax.Array]:
+    def _move(self, prog: _WaveProgram, packed: dict[tuple[int, int], jax.Array]) -> tuple[dict, list]:
+        """Sends the packed buffers; returns the received ones and arrays that are ready when all sends are done."""
         if not prog.rounds:
-            return {}
+            return {}, []
         if self.transport == "device_put":
-            return {key: jax.device_put(buf, self.devices[key[1]]) for key, buf in packed.items()}
+            received = {key: jax.device_put(buf, self.devices[key[1]]) for key, buf in packed.items()}
+            return received, list(received.values())
         sharding = NamedSharding(self.mesh, P("x"))
         inputs = []
         for r, bufs in enumerate(prog.rounds):
             width = prog.widths[r]
             by_src = {b.src: packed[(b.src, b.dst)] for b in bufs if b.src in self.local_ids}
-            arrays = [by_src[d.id] if d.id in by_src else jnp.zeros((width,), jnp.uint8, device=d)
+            arrays = [by_src[d.id] if d.id in by_src else self._idle_input(d, width)
                       for d in sharding.addressable_devices]
             inputs.append(jax.make_array_from_single_device_arrays((width * len(self.union),), sharding, arrays))
         outs = prog.comm(*inputs)
@@ -635,7 +670,7 @@ class _Executor:
             for b in bufs:
                 if b.dst in self.local_ids:
                     received[(b.src, b.dst)] = got[b.dst]
-        return received
+        return received, list(outs)
 
 
 def _cast(x: jax.Array, dtype: np.dtype) -> jax.Array:
@@ -793,7 +828,8 @@ def transfer(params: Any, target: Any, *, plan: Plan | TensorPlan | None = None,
     key = (plan, leaves.shardings, tuple(v.sharding for v in leaves.values),
            tuple(dt.name for dt in leaves.dtypes), transport, cap, host_packing)
     ex = _executor(leaves, tplans, key, transport, cap, host_packing)
-    out = ex(leaves.values, donate)
+    with ex._lock:
+        out = ex(leaves.values, donate)
     return jax.tree_util.tree_unflatten(leaves.treedef, out)
 
 
