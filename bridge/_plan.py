@@ -176,6 +176,11 @@ class BridgePlan:
         self.transfers = self._transfers()
         self.messages, self.num_buckets = self._bucket()
         self.fingerprint = self._fingerprint()
+        self._index: tuple[dict, dict] = (defaultdict(list), defaultdict(list))
+        for m in self.messages:
+            self._index[0][(m.src, m.bucket)].append(m)
+            self._index[1][(m.dst, m.bucket)].append(m)
+        self._index = (dict(self._index[0]), dict(self._index[1]))
 
     # ---------------------------------------------------------------- reduction
     def _jobs(self) -> list[_Job]:
@@ -245,10 +250,12 @@ class BridgePlan:
         return self._targets[(name, rank)]
 
     def sends(self, rank: int, bucket: int) -> list[Message]:
-        return [m for m in self.messages if m.src == rank and m.bucket == bucket]
+        """The messages ``rank`` sends in ``bucket``, in plan order."""
+        return self._index[0].get((rank, bucket), [])
 
     def recvs(self, rank: int, bucket: int) -> list[Message]:
-        return [m for m in self.messages if m.dst == rank and m.bucket == bucket]
+        """The messages ``rank`` receives in ``bucket``, in plan order."""
+        return self._index[1].get((rank, bucket), [])
 
     def src_region(self, t: Transfer) -> tuple[slice, ...]:
         """The transfer's box in the coordinates of its source device's shard."""

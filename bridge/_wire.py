@@ -13,6 +13,11 @@ Protocol of one sync, every rank of the group taking part:
 3. Ack: one ``all_reduce(MIN)`` of an ok flag; receivers commit only when every
    rank got everything. Every wait is bounded by ``timeout``.
 
+The handshake waits up to ``ready_timeout`` for every rank to join (a trainer may
+still be computing its step); gloo also bounds it by the process group's timeout.
+A peer that dies while others wait breaks its connections, which fails the wait
+at once.
+
 After a ``SyncError`` the process group is unusable (gloo closes the pairs of a
 timed-out operation): destroy it and create a new one before the next sync.
 """
@@ -147,8 +152,8 @@ def _progress(enabled: bool | None, total: int, rank: int):
 
 
 def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, status: int, timeout: float,
-             pack: Callable[[Message, torch.Tensor], None], unpack: Callable[[Message, torch.Tensor], None],
-             progress: bool | None = None) -> int:
+             ready_timeout: float, pack: Callable[[Message, torch.Tensor], None],
+             unpack: Callable[[Message, torch.Tensor], None], progress: bool | None = None) -> int:
     """Runs the protocol for one rank; returns the agreed version. Raises SyncError on any failure."""
     ranks = _group_ranks(group)
     if rank not in ranks:
@@ -160,7 +165,7 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
             "group of exactly the trainer and inference ranks (torch.distributed.new_group)."
         )
     start = time.perf_counter()
-    version = _handshake(plan, rank, ranks, group, role, status, version, timeout)
+    version = _handshake(plan, rank, ranks, group, role, status, version, ready_timeout)
     arena = [[None, None], [None, None]]  # [send|recv][parity] uint8 buffers of bucket_bytes
 
     def buffers(kind: int, b: int, msgs: list[Message]) -> list[torch.Tensor]:

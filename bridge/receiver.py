@@ -68,7 +68,9 @@ class Receiver:
         only when every rank got everything; ``False`` writes in place as buckets arrive
         (no extra memory, but a failed sync leaves a mix of old and new weights and
         ``consistent`` becomes False until the next successful sync).
-      timeout: seconds any single wait may take before the sync fails.
+      timeout: seconds any single wait for data may take before the sync fails.
+      ready_timeout: seconds to wait for every rank to join a sync (the handshake; also bounded
+        by the process group's timeout).
       progress: show a tqdm bar (``None``: for syncs over 1 GiB on a terminal).
 
     Attributes:
@@ -76,7 +78,8 @@ class Receiver:
     """
 
     def __init__(self, plan: BridgePlan, params: MappingABC[str, Any], *, rank: int | None = None,
-                 atomic: bool = True, timeout: float = 60.0, progress: bool | None = None) -> None:
+                 atomic: bool = True, timeout: float = 60.0, ready_timeout: float = 600.0,
+                 progress: bool | None = None) -> None:
         if not isinstance(plan, BridgePlan):
             raise TypeError(f"plan must be a bridge.BridgePlan, got {type(plan).__name__}.")
         if rank is None:
@@ -104,7 +107,8 @@ class Receiver:
             if not local.is_contiguous():
                 raise ValueError(f"params[{t.name!r}] must be contiguous.")
             tensors[t.name] = local
-        self.plan, self.rank, self.atomic, self.timeout, self.progress = plan, rank, atomic, timeout, progress
+        self.plan, self.rank, self.atomic, self.progress = plan, rank, atomic, progress
+        self.timeout, self.ready_timeout = timeout, ready_timeout
         self.params = tensors
         self.version: int | None = None
         self.consistent = True
@@ -152,7 +156,7 @@ class Receiver:
             into = self.params
             self.consistent = False
         version = run_sync(self.plan, self.rank, group, role=RECEIVER, version=-1, status=0, timeout=self.timeout,
-                           pack=_no_pack, unpack=lambda m, buf: self._unpack(into, m, buf), progress=self.progress)
+                           ready_timeout=self.ready_timeout, pack=_no_pack, unpack=lambda m, buf: self._unpack(into, m, buf), progress=self.progress)
         if self.atomic:
             with torch.no_grad():
                 for name, dst in self.params.items():

@@ -92,12 +92,14 @@ class Sender:
     Args:
       plan: the sync plan (the same on every rank).
       rank: this process's global torch rank (default: ``torch.distributed.get_rank()``).
-      timeout: seconds any single wait may take before the sync fails.
+      timeout: seconds any single wait for data may take before the sync fails.
+      ready_timeout: seconds to wait for every rank to join a sync (the handshake; also bounded
+        by the process group's timeout).
       progress: show a tqdm bar (``None``: for syncs over 1 GiB on a terminal).
     """
 
     def __init__(self, plan: BridgePlan, *, rank: int | None = None, timeout: float = 60.0,
-                 progress: bool | None = None) -> None:
+                 ready_timeout: float = 600.0, progress: bool | None = None) -> None:
         if not isinstance(plan, BridgePlan):
             raise TypeError(f"plan must be a bridge.BridgePlan, got {type(plan).__name__}.")
         if rank is None:
@@ -106,7 +108,8 @@ class Sender:
             rank = dist.get_rank()
         if rank not in plan.source.ranks:
             raise ValueError(f"rank {rank} holds no trainer shards in the plan (trainer ranks {plan.source.ranks}).")
-        self.plan, self.rank, self.timeout, self.progress = plan, rank, timeout, progress
+        self.plan, self.rank, self.progress = plan, rank, progress
+        self.timeout, self.ready_timeout = timeout, ready_timeout
         steps: dict[tuple[int, int], list[tuple]] = {}
         for m in plan.messages:
             if m.src == rank:
@@ -173,12 +176,13 @@ class Sender:
             # Join the handshake so every rank learns this one rejected the sync, then raise the cause.
             try:
                 run_sync(self.plan, self.rank, group, role=SENDER, version=version, status=status,
-                         timeout=self.timeout, pack=lambda m, b: None, unpack=lambda m, b: None)
+                         timeout=self.timeout, ready_timeout=self.ready_timeout,
+                         pack=lambda m, b: None, unpack=lambda m, b: None)
             except SyncError:
                 pass
             raise error
         return run_sync(self.plan, self.rank, group, role=SENDER, version=version, status=0, timeout=self.timeout,
-                        pack=lambda m, buf: self._pack(shards, m, buf), unpack=_no_unpack, progress=self.progress)
+                        ready_timeout=self.ready_timeout, pack=lambda m, buf: self._pack(shards, m, buf), unpack=_no_unpack, progress=self.progress)
 
 
 def _no_unpack(m: Message, buf: torch.Tensor) -> None:

@@ -101,7 +101,7 @@ def trainer(rank: int, args) -> None:
             node[last] = jax.make_array_from_callback(a.shape, sh, lambda idx, a=a: a[idx])
         return nested
 
-    bridge.init_group(rank, C.WORLD, port=args.port2 if args.restart else args.port, timeout=60)
+    bridge.init_group(rank, C.WORLD, port=args.port2 if args.restart else args.port, timeout=120)
     all_plans = plans(None)
     small = put(C.make_arrays(C.small_config(), seed=1))
     # The trainer describes its live arrays; receivers build the Source from the config.
@@ -183,7 +183,7 @@ def receiver(rank: int, args) -> None:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    bridge.init_group(rank, C.WORLD, port=args.port, timeout=60)
+    bridge.init_group(rank, C.WORLD, port=args.port, timeout=120)
     all_plans = plans(None)
 
     def zeros(plan) -> dict[str, torch.Tensor]:
@@ -222,7 +222,9 @@ def receiver(rank: int, args) -> None:
     run("dtensor", bridge.Receiver(plan, dts, rank=rank, timeout=TIMEOUT), {n: d.to_local() for n, d in dts.items()})
 
     small = C.small_config()
-    wrong = bridge.BridgePlan(s_small, bridge.llama_mapping(small, s_small, C.RECEIVERS, fused=True, vocab_pad=128))
+    # Another vocabulary padding (1000 rows to 1056, not 1024): same names, other shapes and plan.
+    wrong = bridge.BridgePlan(s_small, bridge.llama_mapping(small, s_small, C.RECEIVERS, fused=True, vocab_pad=96),
+                              bucket_bytes=all_plans["mismatch"].bucket_bytes)
     params = zeros(wrong)
     run("mismatch", bridge.Receiver(wrong, params, rank=rank, timeout=TIMEOUT), params)
 

@@ -1,0 +1,231 @@
+"""The pure layer of the bridge: mappings, plan reduction, buckets, fingerprints (no processes)."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import bridge
+from bridge._plan import ALIGN
+from jreshard import Layout, Mesh
+from jreshard.nn import LlamaConfig, fsdp_spec, param_shapes
+from tests.bridge import _common as C
+
+
+def _source(config, mesh_shape=(4,), axes=("fsdp",), ranks=(0, 1), per=2, spec=fsdp_spec):
+    return bridge.Source.build(param_shapes(config), bridge.trainer_mesh(mesh_shape, axes, ranks, per), spec)
+
+
+def _coverage_ok(p: bridge.BridgePlan) -> None:
+    """Every target element is written at most once, every region fully, and only from a shard that holds it."""
+    counts = {(t.rank, t.name): np.zeros(t.shape, np.int32) for t in p.mapping.targets}
+    for t in p.transfers:
+        src = p.src_region(t)
+        shard = p.source.layout(t.source).shard_shape(t.src)
+        assert all(0 <= s.start <= s.stop <= n for s, n in zip(src, shard, strict=True)), (t, shard)
+        box, _ = p.dst_region(t)
+        counts[(t.dst, t.target)][box] += 1
+    for t in p.mapping.targets:
+        c = counts[(t.rank, t.name)]
+        assert c.max(initial=0) <= 1, t.name
+        assert c.sum() == sum(int(np.prod(r.shape)) for r in t.regions), t.name
+        for r in t.regions:
+            assert (c[tuple(slice(o, o + n) for o, n in zip(r.offset, r.shape, strict=True))] == 1).all()
+
+
+CASES = [
+    # name, config overrides, trainer mesh (shape, axes, ranks, per process), spec, tp groups, fused, pad
+    ("fsdp4-tp2-fused-padded", {"vocab_size": 1000}, ((4,), ("fsdp",), (0, 1), 2), fsdp_spec, [2, 3], True, 64),
+    ("fsdp4-tp2-plain", {}, ((4,), ("fsdp",), (0, 1), 2), fsdp_spec, [2, 3], False, 64),
+    ("fsdp4-tp4-fused", {"vocab_size": 1000}, ((4,), ("fsdp",), (0, 1), 2), fsdp_spec, [4, 5, 6, 7], True, 64),
+    ("fsdp2x-replica2-tp1", {}, ((2, 2), ("replica", "fsdp"), (0, 1), 2), lambda p, s: fsdp_spec(p, s), [9], True, 64),
+    ("fsdp3-uneven-tp2x2-replicas", {"vocab_size": 1000, "intermediate_size": 690},
+     ((3,), ("fsdp",), (0, 1, 2), 1), fsdp_spec, [[3, 4], [5, 6]], False, 128),
+    ("tp-sharded-trainer", {"vocab_size": 1000}, ((2, 2), ("fsdp", "tp"), (0, 1), 2),
+     lambda p, s: (("fsdp", "tp") + (None,) * (len(s) - 2)) if len(s) >= 2 else (None,) * len(s), [2, 3], True, 64),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_plan_matches_vllm_slicing(case, dtype):
+    _, over, (mshape, axes, ranks, per), spec, tp_groups, fused, pad = case
+    cfg = LlamaConfig.load("llama-tiny", num_hidden_layers=2, **over)
+    src = _source(cfg, mshape, axes, ranks, per, spec)
+    if cfg.intermediate_size % 2:  # 690 splits over TP2 but not evenly over the 3-way FSDP: uneven shards
+        assert src.layout("layers_0/mlp/down_proj/kernel").shard_shape(src.layout("embed/embedding").mesh.device_ids[2])[0] == 228
+    m = bridge.llama_mapping(cfg, src, tp_groups, fused=fused, vocab_pad=pad, dtype=dtype)
+    p = bridge.BridgePlan(src, m, bucket_bytes=256 << 10)
+    _coverage_ok(p)
+    arrays = C.make_arrays(cfg, seed=5)
+    got = p.reference(arrays)
+    groups = np.atleast_2d(np.asarray(tp_groups))
+    want = C.vllm_shards(arrays, cfg, groups.shape[1], fused=fused, vocab_pad=pad)
+    for group in groups:
+        for i, r in enumerate(group):
+            assert sorted(got[r]) == sorted(want[i])
+            for name, w in want[i].items():
+                np.testing.assert_array_equal(got[r][name].astype(np.float32),
+                                              w.astype(got[r][name].dtype).astype(np.float32), err_msg=name)
+
+
+def test_plain_tp_uses_regular_layouts_and_padding_uses_cells():
+    cfg = C.small_config()
+    p = bridge.BridgePlan(_source(cfg), bridge.llama_mapping(cfg, _source(cfg), [2, 3], fused=True))
+    cells = {j.name.split(":")[1].split("#")[0] for j in p.jobs if "@" in j.name}
+    assert cells == {"model.embed_tokens.weight", "lm_head.weight"}  # 1000 rows padded: not a JAX split
+    q = next(j for j in p.jobs if j.name.endswith("layers.0.self_attn.qkv_proj.weight#0"))
+    assert q.dst.spec_str == "P(None, 'd1')" and q.dst.mesh.device_ids == (2, 3)
+    # The planner sends each receiver exactly its slice: no byte beyond the lower bound.
+    s = p.plan.stats()
+    assert s.network_bytes == s.lower_bound_bytes == p.network_bytes
+
+
+def test_replicated_trainer_shards_are_balanced_across_processes():
+    cfg = C.small_config()
+    src = _source(cfg, (2, 2), ("replica", "fsdp"), (0, 1), 2)  # process 0 and 1 each hold a full copy
+    p = bridge.BridgePlan(src, bridge.llama_mapping(cfg, src, [2, 3], fused=True))
+    send = p.rank_bytes()["send"]
+    assert set(send) == {0, 1} and abs(send[0] - send[1]) / max(send.values()) < 0.1, send
+
+
+@pytest.mark.parametrize("cap", [16 << 10, 100_000, 1 << 30])
+def test_buckets_cap_staging_memory(cap):
+    cfg = C.small_config()
+    src = _source(cfg)
+    p = bridge.BridgePlan(src, bridge.llama_mapping(cfg, src, [2, 3], fused=True), bucket_bytes=cap)
+    _coverage_ok(p)
+    for b in range(p.num_buckets):
+        for r in (0, 1, 2, 3):
+            assert sum(m.nbytes for m in p.sends(r, b)) <= max(cap, ALIGN)
+            assert sum(m.nbytes for m in p.recvs(r, b)) <= max(cap, ALIGN)
+    for m in p.messages:  # pieces are aligned and packed without overlap
+        offs = [off for _, off in m.items]
+        assert all(o % ALIGN == 0 for o in offs) and offs == sorted(offs)
+    assert p.network_bytes == sum(int(np.prod([b - a for a, b in t.box])) * 4 for t in p.transfers)
+
+
+def test_fingerprint_is_deterministic_and_covers_every_input():
+    cfg = C.small_config()
+
+    def fp(**kw):
+        src = _source(cfg, ranks=kw.pop("ranks", (0, 1)))
+        recv = kw.pop("recv", [2, 3])
+        bucket = kw.pop("bucket", 1 << 20)
+        return bridge.BridgePlan(src, bridge.llama_mapping(cfg, src, recv, **kw), bucket_bytes=bucket).fingerprint
+
+    base = fp(fused=True)
+    assert fp(fused=True) == base
+    variants = [fp(fused=False), fp(fused=True, dtype="bfloat16"), fp(fused=True, vocab_pad=96),
+                fp(fused=True, recv=[3, 2]), fp(fused=True, bucket=1 << 19), fp(fused=True, ranks=(1, 0))]
+    assert len({base, *variants}) == len(variants) + 1
+
+
+def test_dtensor_targets_match_torch_chunking():
+    torch = pytest.importorskip("torch")
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    src = bridge.Source({"w": Layout((7, 5), bridge.trainer_mesh((2,), "x", [0], 2), ("x",), "float32")})
+    ranks = np.arange(4, 10).reshape(2, 3)
+    for placements in ([Shard(0), Shard(0)], [Shard(1), Shard(0)], [Replicate(), Shard(1)], [Shard(0), Replicate()]):
+        m = bridge.dtensor_targets("w", src, "w", ranks, placements, transpose=True)
+        for t in m.targets:
+            mesh = DeviceMesh("cpu", torch.from_numpy(ranks), _init_backend=False, _rank=t.rank)
+            shape, offset = compute_local_shape_and_global_offset((5, 7), mesh, placements)
+            assert t.shape == tuple(shape), (placements, t.rank)
+            if t.regions:
+                box = t.regions[0].box  # leaf coordinates: the torch dims reversed
+                assert (box[1][0], box[0][0]) == tuple(offset), (placements, t.rank)
+
+
+def _bad_cases():
+    cfg = C.small_config()
+    src = _source(cfg)
+    tiny = bridge.Source({"w": Layout((6, 4), bridge.trainer_mesh((2,), "x", [0], 2), ("x",), "float32")})
+    return [
+        ("rule regex", lambda: bridge.Rule("(", "x"), ValueError, "not a regular expression"),
+        ("duplicate tp ranks", lambda: bridge.llama_mapping(cfg, src, [2, 2]), ValueError, "distinct"),
+        ("tp ranks not ints", lambda: bridge.llama_mapping(cfg, src, ["a"]), TypeError, "tp_ranks"),
+        ("uneven split", lambda: bridge.tp_mapping(tiny, [bridge.Rule("w", "w", shard=0)], [1, 2, 3, 4]),
+         ValueError, "does not split evenly"),
+        ("unmatched leaf", lambda: bridge.tp_mapping(tiny, [bridge.Rule("v", "v")], [1]), ValueError,
+         "matches no rule"),
+        ("trainer is receiver", lambda: bridge.BridgePlan(src, bridge.llama_mapping(cfg, src, [1, 2])),
+         ValueError, "both trainer and inference"),
+        ("tiny bucket", lambda: bridge.BridgePlan(src, bridge.llama_mapping(cfg, src, [2, 3]), bucket_bytes=8),
+         ValueError, "bucket_bytes"),
+        ("placements rank", lambda: bridge.dtensor_targets("w", tiny, "w", [1, 2], ["replicate", "replicate"]),
+         ValueError, "one per mesh dim"),
+        ("placement kind", lambda: bridge.dtensor_targets("w", tiny, "w", [1, 2], ["partial"]), TypeError,
+         "Shard"),
+        ("missing leaf", lambda: bridge.dtensor_targets("w", tiny, "nope", [1], ["replicate"]), ValueError,
+         "no trainer leaf"),
+        ("torch rank as source", lambda: bridge.Source({"w": Layout((2,), Mesh([0, 1], "x"), ())}), ValueError,
+         "SOURCE_BASE"),
+        ("source id range", lambda: bridge.source_id(0, 1000), ValueError, "local"),
+        ("config", lambda: LlamaConfig.load("llama-tiny", num_key_value_heads=3), ValueError, "multiple"),
+        ("model name", lambda: LlamaConfig.load("no-such-model"), ValueError, "llama-tiny"),
+    ]
+
+
+@pytest.mark.parametrize("case", _bad_cases(), ids=lambda c: c[0])
+def test_bad_input_errors(case):
+    _, fn, exc, match = case
+    with pytest.raises(exc, match=match):
+        fn()
+
+
+def test_import_bridge_and_plan_without_jax_or_torch():
+    code = textwrap.dedent(
+        """
+        import sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split('.')[0] in ('jax', 'jaxlib', 'flax', 'torch'):
+                    raise ImportError(f'{name} is blocked')
+        sys.meta_path.insert(0, Block())
+        import bridge
+        from jreshard.nn import LlamaConfig, param_shapes, fsdp_spec
+        cfg = LlamaConfig.load('llama-tiny')
+        src = bridge.Source.build(param_shapes(cfg), bridge.trainer_mesh((4,), 'fsdp', [0, 1], 2), fsdp_spec)
+        print(bridge.BridgePlan(src, bridge.llama_mapping(cfg, src, [2, 3], fused=True)).num_buckets)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "1"
+
+
+@pytest.mark.parametrize("module", ["bridge._source", "bridge._mapping", "bridge._plan", "jreshard.nn.config"])
+def test_docstring_examples(module):
+    import doctest
+
+    mod = __import__(module, fromlist=["_"])
+    result = doctest.testmod(mod, optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_receiver_rejects_wrong_params():
+    torch = pytest.importorskip("torch")
+    cfg = C.small_config()
+    src = _source(cfg)
+    p = bridge.BridgePlan(src, bridge.llama_mapping(cfg, src, [2, 3], fused=True))
+    params = {t.name: torch.zeros(t.shape) for t in p.mapping.for_rank(2)}
+    bridge.Receiver(p, params, rank=2)  # accepted
+    wrong = dict(params, **{"lm_head.weight": torch.zeros(500, 256)})
+    with pytest.raises(ValueError, match=r"lm_head.weight.*\(500, 256\).*\(512, 256\)"):
+        bridge.Receiver(p, wrong, rank=2)
+    with pytest.raises(ValueError, match="params lacks 'model.norm.weight'"):
+        bridge.Receiver(p, {k: v for k, v in params.items() if k != "model.norm.weight"}, rank=2)
+    half = dict(params, **{"model.norm.weight": torch.zeros(256, dtype=torch.bfloat16)})
+    with pytest.raises(ValueError, match="bfloat16"):
+        bridge.Receiver(p, half, rank=2)
+    with pytest.raises(ValueError, match="no targets"):
+        bridge.Receiver(p, params, rank=7)
