@@ -39,19 +39,23 @@ def test_stored_without_outputs_and_simulates_devices_first(path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_executes(path, monkeypatch):
+def test_notebook_executes(path, monkeypatch, tmp_path):
     # The kernel inherits this environment: the repository on the path, no GPU, one thread per op.
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+    # No user-level kernel specs: 'python3' is this environment's, whose bare 'python' jupyter_client
+    # replaces with this interpreter.
+    monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path / "jupyter"))
     nb = nbformat.read(path, as_version=4)
-    # jupyter_client runs the 'python3' kernel with this interpreter (it replaces a bare 'python').
+    nb.cells.append(nbformat.v4.new_code_cell("import sys\nprint(sys.executable)", id="interpreter-check"))
     client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                                      resources={"metadata": {"path": str(path.parent)}})
     client.execute()
     errors = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs
               if out.output_type == "error"]
     assert errors == []
+    assert nb.cells[-1].outputs[0].text.strip() == sys.executable
 
 
 def test_render_figures_draws_one_picture_per_notebook(tmp_path):
