@@ -1,4 +1,4 @@
-"""Planner speed: a synthetic 10,000-tensor pytree (256 -> 128 devices) cold and cached, and
+"""Planner speed: synthetic 10,000-tensor pytrees (256 -> 128 devices) cold and cached, and
 single tensors on growing meshes up to 1,024 -> 512 devices.
 
 Run: ``.venv/bin/python benchmarks/plan_bench.py`` (one core: ``OMP_NUM_THREADS=1``).
@@ -12,15 +12,37 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import platform  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+
 import numpy as np  # noqa: E402
 
 import jreshard  # noqa: E402
 from jreshard import Layout, Mesh  # noqa: E402
 
-try:
-    from benchmarks._common import banner, timed
-except ImportError:  # run as a script from benchmarks/
-    from _common import banner, timed
+
+def banner(title: str) -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return (f"{title}\nmachine: {cpu}, {os.cpu_count()} cores visible, one thread (OMP_NUM_THREADS="
+            f"{os.environ.get('OMP_NUM_THREADS', 'unset')})\nversions: python {sys.version.split()[0]}, "
+            f"numpy {np.__version__}, jreshard {jreshard.__version__}")
+
+
+def timed(fn: Callable[[], object], repeat: int = 1) -> tuple[float, object]:
+    """Best wall time of ``repeat`` calls, and the last result."""
+    best, out = float("inf"), None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, out
 
 SHAPES = {"wq": (4096, 4096), "wk": (1024, 4096), "wv": (1024, 4096), "wo": (4096, 4096),
           "gate": (11008, 4096), "up": (11008, 4096), "down": (4096, 11008), "norm1": (4096,), "norm2": (4096,),
@@ -28,20 +50,30 @@ SHAPES = {"wq": (4096, 4096), "wk": (1024, 4096), "wv": (1024, 4096), "wo": (409
 COLUMN = {"wq", "wk", "wv", "gate", "up", "bias"}
 
 
-def synthetic_tree(n_tensors: int = 10_000) -> tuple[dict, dict]:
-    """A Llama-like pytree {layers: [{name: Layout}]}: FSDP(32) x TP(8) on 0..255 -> TP(8) x DP(16) on 256..383."""
-    src_mesh = Mesh(np.arange(256).reshape(32, 8), ("fsdp", "tp"))
+def synthetic_tree(kind: str, n_tensors: int = 10_000) -> tuple[dict, dict]:
+    """A Llama-like pytree {layers: [{name: Layout}]} from 256 devices (0..255) onto a
+    TP(8) x DP(16) fleet on devices 256..383.
+
+    ``kind='megatron'``: training TP(8) x DP(32), so every piece has 32 replicas to
+    balance over; ``kind='fsdp'``: JAX-style FSDP(32) x TP(8), every destination
+    shard cut from 32 source shards (no replicas, many pieces).
+    """
+    axes = ("dp", "tp") if kind == "megatron" else ("fsdp", "tp")
+    src_mesh = Mesh(np.arange(256).reshape(32, 8), axes)
     dst_mesh = Mesh(np.arange(256, 384).reshape(16, 8), ("dp", "tp"))
     src, dst = {"layers": []}, {"layers": []}
     for _ in range(n_tensors // len(SHAPES)):
         s_layer, d_layer = {}, {}
         for name, shape in SHAPES.items():
             if len(shape) == 1:
-                s_spec, d_spec = ("fsdp",), (("tp",) if name in COLUMN else ())
+                d_spec = ("tp",) if name in COLUMN else ()
+                s_spec = d_spec if kind == "megatron" else ("fsdp",)
             elif name in COLUMN:
-                s_spec, d_spec = ("tp", "fsdp"), ("tp", None)
+                d_spec = ("tp", None)
+                s_spec = d_spec if kind == "megatron" else ("tp", "fsdp")
             else:
-                s_spec, d_spec = ("fsdp", "tp"), (None, "tp")
+                d_spec = (None, "tp")
+                s_spec = d_spec if kind == "megatron" else ("fsdp", "tp")
             s_layer[name] = Layout(shape, src_mesh, s_spec, "bfloat16")
             d_layer[name] = Layout(shape, dst_mesh, d_spec, "bfloat16")
         src["layers"].append(s_layer)
@@ -65,17 +97,19 @@ def big_tensor(n_src: int) -> tuple[Layout, Layout]:
 
 def main() -> None:
     print(banner("jreshard planner benchmark"))
-    src, dst = synthetic_tree()
-    first, p = timed(lambda: cold(src, dst))
-    best, p = timed(lambda: cold(src, dst), repeat=3)
-    warm, _ = timed(lambda: jreshard.plan(src, dst), repeat=5)
-    s = p.stats()
-    print(f"\n10,000-tensor pytree, 256 -> 128 devices: {len(p)} tensors, {s.moves:,} network moves")
-    print(f"  cold (first in process)  {first * 1e3:9.1f} ms")
-    print(f"  cold (best of 3)         {best * 1e3:9.1f} ms")
-    print(f"  cached                   {warm * 1e3:9.3f} ms   (cold / cached = {best / warm:,.0f}x)")
-    print(f"  bytes moved = lower bound: {s.network_bytes == s.lower_bound_bytes}; "
-          f"sender imbalance {s.send_imbalance:.3f}")
+    for kind, label in (("megatron", "Megatron TP8 x DP32 -> TP8 x DP16 (replica balancing)"),
+                        ("fsdp", "FSDP32 x TP8 -> TP8 x DP16 (32 pieces per shard)")):
+        src, dst = synthetic_tree(kind)
+        first, p = timed(lambda: cold(src, dst))
+        best, p = timed(lambda: cold(src, dst), repeat=3)
+        warm, _ = timed(lambda: jreshard.plan(src, dst), repeat=5)
+        s = p.stats()
+        print(f"\n10,000-tensor pytree, 256 -> 128 devices, {label}: {s.moves:,} network moves")
+        print(f"  cold (first in process)  {first * 1e3:9.1f} ms")
+        print(f"  cold (best of 3)         {best * 1e3:9.1f} ms")
+        print(f"  cached                   {warm * 1e3:9.3f} ms   (cold / cached = {best / warm:,.0f}x)")
+        print(f"  bytes moved = lower bound: {s.network_bytes == s.lower_bound_bytes}; "
+              f"sender imbalance {s.send_imbalance:.3f}")
     print("\nOne (65536, 8192) tensor, FSDP x TP -> TP x DP, growing meshes (time per device should stay flat):")
     print(f"  {'src -> dst':>12}  {'moves':>9}  {'cold ms':>9}  {'us per device':>13}")
     for n in (128, 256, 512, 1024):

@@ -23,10 +23,8 @@ import numpy as np  # noqa: E402
 import jreshard  # noqa: E402
 from jreshard import cost, scenario  # noqa: E402
 
-try:
-    from benchmarks._common import banner, timed
-except ImportError:  # run as a script from benchmarks/
-    from _common import banner, timed
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from plan_bench import banner, timed  # noqa: E402
 
 
 def sender_bound(src: dict, stats: jreshard.PlanStats) -> float:

@@ -799,6 +799,15 @@ def _balance(staged, choice, fixed_src, fixed_bytes, balance: bool):
             chosen[rows] = members[0]
             load[members[0]] += nbytes[rows].sum()
             continue
+        if len(rows) > 64 * R:
+            # Many rows: a snake order over the members (least loaded first, then back),
+            # vectorised; the refinement below evens out what remains.
+            order = members[np.argsort(load[members], kind="stable")]
+            p = np.arange(len(rows))
+            within = p % R
+            chosen[rows] = order[np.where((p // R) % 2 == 0, within, R - 1 - within)]
+            load[:] += np.bincount(chosen[rows], weights=nbytes[rows], minlength=len(load))
+            continue
         # Longest-processing-time in chunks of R rows: each chunk's largest row goes
         # to the least loaded member, and so on.
         for start in range(0, len(rows), R):
@@ -830,7 +839,8 @@ def _refine(staged, choice, blk, brow, classes, cls, nbytes, chosen, load, max_r
     rounds = max_rounds if max_rounds is not None else 4 * len(load) + 16
     n = len(blk)
     cap = n + rounds
-    blk, brow, cls, nbytes, chosen = (np.resize(a, cap) for a in (blk, brow, cls, nbytes, chosen))
+    blk, brow, cls, nbytes, chosen = (np.concatenate([a, np.zeros(cap - n, a.dtype)])
+                                      for a in (blk, brow, cls, nbytes, chosen))
     boxes: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for _ in range(rounds):
         top = int(np.argmax(load))
