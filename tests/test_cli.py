@@ -85,3 +85,23 @@ def test_bad_scenario_file_names_field(tmp_path, capsys):
 def test_module_entry_point_and_demo_still_listed():
     out = subprocess.run([sys.executable, "-m", "jreshard", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "plan" in out.stdout and "demo" in out.stdout
+
+
+def test_moe_scenario_at_full_size():
+    # Qwen3-235B-A22B, ~37,000 tensors, TP2 CP2 EP16 PP4 -> TP8 DP8 on GB200.
+    from jreshard._cli import plan_report
+    from jreshard.scenario import load_scenario
+
+    r = plan_report(load_scenario("qwen3-235b-tp2cp2ep16pp4-to-tp8dp8"))
+    assert r["tensors"] == 36945
+    assert r["bytes_moved"] == r["lower_bound_bytes"]
+    # Disjoint device ranges: each of the 8 TP8 engines receives every tp-split tensor once
+    # (bfloat16); replicated tensors (norms, routers) go to all 64 devices.
+    from jreshard import catalog
+
+    infos = catalog.tensors("qwen3-235b-a22b")
+    replicated = sum(t.size for t in infos if t.role == "replicated")
+    assert r["bytes_moved"] == 2 * (8 * (catalog.num_params(infos) - replicated) + 64 * replicated)
+    p = r["predicted_seconds"]
+    assert p["jreshard"] < p["flat_direct"] and p["jreshard"] < p["gather_broadcast"]
+    assert r["delivery"] == "hierarchical"
