@@ -801,7 +801,7 @@ def transfer(params: Any, target: Any, *, plan: Plan | TensorPlan | None = None,
       >>> serve = jax.sharding.Mesh(devs[4:].reshape(2, 2), ("dp", "tp"))
       >>> w = jax.device_put(np.arange(32.0).reshape(8, 4), NamedSharding(train, P("fsdp")))
       >>> out = transfer({"w": w}, NamedSharding(serve, P(None, "tp")))
-      >>> out["w"].sharding == NamedSharding(serve, P(None, "tp")), bool((out["w"] == w).all())
+      >>> out["w"].sharding == NamedSharding(serve, P(None, "tp")), np.array_equal(out["w"], w)
       (True, True)
     """
     if not isinstance(donate, bool):

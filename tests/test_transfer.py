@@ -371,3 +371,10 @@ def test_all_layout_pairs_of_a_small_mesh_pair_exhaustively():
             assert out[f"s{i}"].sharding == target
             np.testing.assert_array_equal(np.asarray(out[f"s{i}"]), host, err_msg=f"{src_specs[i]} -> {d}")
     assert len(list(itertools.product(src_specs, dst_specs))) == 12
+
+
+def test_docstring_example_runs():
+    import doctest
+
+    result = doctest.testmod(_transfer, optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
