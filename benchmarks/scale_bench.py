@@ -27,39 +27,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from plan_bench import banner, timed  # noqa: E402
 
 
-def sender_bound(src: dict, stats: jreshard.PlanStats) -> float:
-    """A lower bound on the largest sender load of any plan with these sends.
-
-    Replicas link devices: a piece may come from any holder of its shard. Within a
-    linked set the total sent is fixed, so some device sends at least the set's mean.
-    """
-    parent: dict[int, int] = {}
-
-    def find(x: int) -> int:
-        while parent.setdefault(x, x) != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    seen = set()
-    for lay in src.values():
-        key = (id(lay.mesh), lay.spec, lay.shape)
-        if key in seen:
-            continue
-        seen.add(key)
-        for group in lay.replica_groups():
-            root = find(group[0])
-            for d in group[1:]:
-                parent[find(d)] = root
-    totals: dict[int, list[float]] = {}
-    for d, b in stats.send_bytes.items():
-        totals.setdefault(find(d), []).append(b)
-    sizes: dict[int, int] = {}
-    for d in parent:
-        sizes[find(d)] = sizes.get(find(d), 0) + 1
-    return max(sum(v) / sizes.get(r, len(v)) for r, v in totals.items()) if totals else 0.0
-
-
 def run(name: str) -> dict:
     s = scenario.load_scenario(name)
     src, dst = s.layouts()
@@ -69,7 +36,7 @@ def run(name: str) -> dict:
     st = p.stats()
     cmp = cost.compare(src, dst, s.topology(), jreshard_plan=p)
     return {"name": name, "tensors": len(src), "first": first, "cold": best, "warm": warm, "stats": st,
-            "bound": sender_bound(src, st), "cmp": cmp, "published": s.published}
+            "bound": cost.sender_load_bound(src, st), "cmp": cmp, "published": s.published}
 
 
 def main(names: list[str]) -> None:

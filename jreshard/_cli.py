@@ -144,6 +144,7 @@ def plan_report(s: Scenario, *, experts: str = "separate", hierarchical: str = "
         "naive_bytes": st.naive_bytes,
         "max_send_bytes": st.max_send_bytes,
         "mean_send_bytes": st.mean_send_bytes,
+        "sender_load_bound_bytes": cost.sender_load_bound(src, st),
         "max_recv_bytes": st.max_recv_bytes,
         "mean_recv_bytes": st.mean_recv_bytes,
         "messages": st.messages,
@@ -170,7 +171,8 @@ def format_report(r: dict[str, Any]) -> str:
         ("lower bound", _gb(r["lower_bound_bytes"]) + ("  (met)" if r["bytes_moved"] == r["lower_bound_bytes"] else "")),
         ("gather-then-broadcast", _gb(r["naive_bytes"])),
         ("per sender", f"max {_gb(r['max_send_bytes'])}, mean {_gb(r['mean_send_bytes'])} "
-                       f"(imbalance {r['max_send_bytes'] / r['mean_send_bytes'] if r['mean_send_bytes'] else 1:.3f})"),
+                       f"(imbalance {r['max_send_bytes'] / r['mean_send_bytes'] if r['mean_send_bytes'] else 1:.3f}; "
+                       f"no plan does better than {_gb(r['sender_load_bound_bytes'])})"),
         ("per receiver", f"max {_gb(r['max_recv_bytes'])}, mean {_gb(r['mean_recv_bytes'])}"),
         ("messages", f"{r['messages']:,} sender->receiver pairs"),
         ("predicted jreshard", f"{pred['jreshard']:.3f} s ({r['delivery']} delivery; bottleneck {r['bottleneck']})"),

@@ -471,35 +471,17 @@ class _GroupResult:
         return (self.psrc.ravel(), self.pdst.ravel(), (vol * weight[:, None]).ravel(),
                 np.repeat(count, M))
 
-    @property
-    def src(self) -> np.ndarray:
-        if self._src is None:
-            self._expand()
-        return self._src
+    # Full row arrays, built on first use for regular groups.
+    src = property(lambda self: self._full("_src"))
+    dst = property(lambda self: self._full("_dst"))
+    nbytes = property(lambda self: self._full("_nbytes"))
+    lo = property(lambda self: self._full("_lo"))
+    hi = property(lambda self: self._full("_hi"))
 
-    @property
-    def dst(self) -> np.ndarray:
+    def _full(self, field: str) -> np.ndarray:
         if self._src is None:
             self._expand()
-        return self._dst
-
-    @property
-    def nbytes(self) -> np.ndarray:
-        if self._src is None:
-            self._expand()
-        return self._nbytes
-
-    @property
-    def lo(self) -> np.ndarray:
-        if self._src is None:
-            self._expand()
-        return self._lo
-
-    @property
-    def hi(self) -> np.ndarray:
-        if self._src is None:
-            self._expand()
-        return self._hi
+        return getattr(self, field)
 
 
 class _Lower(dict):
@@ -778,8 +760,10 @@ def _balance(staged, choice, fixed_src, fixed_bytes, balance: bool):
         pad = np.full((len(table), Rmax), -1, np.int64)
         pad[:, : dense.shape[1]] = dense
         tables.append(pad)
-        blocks.append((np.full(len(rows), b), np.arange(len(rows)), cls + offset, nbytes.astype(np.float64)))
+        blocks.append((np.full(len(rows), b), np.arange(len(rows)), cls + offset, nbytes.astype(np.float64),
+                       staged[gi][5][rows]))
         offset += len(table)
+    rdst = np.concatenate([x[4] for x in blocks])  # receiver of each row
     blk = np.concatenate([x[0] for x in blocks])
     brow = np.concatenate([x[1] for x in blocks])
     nbytes = np.concatenate([x[3] for x in blocks])
@@ -799,14 +783,22 @@ def _balance(staged, choice, fixed_src, fixed_bytes, balance: bool):
             chosen[rows] = members[0]
             load[members[0]] += nbytes[rows].sum()
             continue
-        if len(rows) > 64 * R:
-            # Many rows: a snake order over the members (least loaded first, then back),
-            # vectorised; the refinement below evens out what remains.
-            order = members[np.argsort(load[members], kind="stable")]
-            p = np.arange(len(rows))
-            within = p % R
-            chosen[rows] = order[np.where((p // R) % 2 == 0, within, R - 1 - within)]
-            load[:] += np.bincount(chosen[rows], weights=nbytes[rows], minlength=len(load))
+        if len(rows) > max(64 * R, 20_000):
+            # Many rows: fill the members up to a common level, each taking a contiguous
+            # run of rows in receiver order (few sender -> receiver pairs); vectorised.
+            rows = rows[np.argsort(rdst[rows], kind="stable")]
+            size = nbytes[rows]
+            have = load[members]
+            srt = np.sort(have)
+            # Water level: the first k members (least loaded) filled up to a common level.
+            levels = (size.sum() + np.cumsum(srt)) / np.arange(1, R + 1)
+            fits = np.nonzero(levels[:-1] <= srt[1:])[0]
+            level = levels[fits[0]] if len(fits) else levels[-1]
+            quota = np.maximum(level - have, 0.0)
+            ends = np.cumsum(quota)
+            mid = np.cumsum(size) - size / 2
+            chosen[rows] = members[np.minimum(np.searchsorted(ends, mid), R - 1)]
+            load[:] += np.bincount(chosen[rows], weights=size, minlength=len(load))
             continue
         # Longest-processing-time in chunks of R rows: each chunk's largest row goes
         # to the least loaded member, and so on.

@@ -62,7 +62,7 @@ from jreshard._mesh import Mesh
 from jreshard._planner import Plan, plan, plan_layouts
 
 __all__ = ["Hardware", "Topology", "Traffic", "Prediction", "TwoStagePlan", "Comparison", "load_hardware",
-           "hardware_names", "predict", "predict_plan", "predict_two_stage", "plan_traffic", "hierarchical_plan",
+           "hardware_names", "predict", "sender_load_bound", "predict_plan", "predict_two_stage", "plan_traffic", "hierarchical_plan",
            "gather_broadcast", "flat_direct", "compare"]
 
 _HW_FIELDS = {"gpus_per_domain": int, "nvlink_GBps_per_direction": float, "network_GBps_per_gpu_per_direction": float,
@@ -258,6 +258,40 @@ def plan_traffic(p: Plan | jreshard.TensorPlan, topo: Topology) -> Traffic:
 def predict_plan(p: Plan | jreshard.TensorPlan, topo: Topology) -> Prediction:
     """Predicted time of a core plan (jreshard's executors send its moves point to point)."""
     return predict(plan_traffic(p, topo), topo)
+
+
+def sender_load_bound(src: Mapping[str, Layout], stats: jreshard.PlanStats) -> float:
+    """A lower bound on the largest sender load of any plan with these sends.
+
+    Replicas link devices: a piece may come from any holder of its shard. Within a
+    linked set the total sent is fixed, so some device sends at least the set's mean.
+    ``stats.max_send_bytes`` over this bound is how far balancing is from the best.
+    """
+    parent: dict[int, int] = {}
+
+    def find(x: int) -> int:
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    seen = set()
+    for lay in src.values():
+        key = (id(lay.mesh), lay.spec, lay.shape)
+        if key in seen:
+            continue
+        seen.add(key)
+        for group in lay.replica_groups():
+            root = find(group[0])
+            for d in group[1:]:
+                parent[find(d)] = root
+    totals: dict[int, list[float]] = {}
+    for d, b in stats.send_bytes.items():
+        totals.setdefault(find(d), []).append(b)
+    sizes: dict[int, int] = {}
+    for d in parent:
+        sizes[find(d)] = sizes.get(find(d), 0) + 1
+    return max(sum(v) / sizes.get(r, len(v)) for r, v in totals.items()) if totals else 0.0
 
 
 # --------------------------------------------------------------------------- hierarchical delivery
