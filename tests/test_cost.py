@@ -143,3 +143,16 @@ def test_hardware_and_topology_errors():
 
 def test_docstring_examples():
     assert doctest.testmod(cost).failed == 0
+
+
+def test_sender_load_bound():
+    u8 = "uint8"
+    src = {"a": Layout((100,), Mesh([0, 1], "dp"), (), u8), "b": Layout((60,), Mesh([2], "x"), (), u8),
+           "c": Layout((40,), Mesh([1, 4], "dp"), (), u8)}
+    dst = {k: Layout(v.shape, Mesh([9], "y"), (), u8) for k, v in src.items()}
+    s = jreshard.plan(src, dst).stats()
+    # Devices 0, 1, 4 share replicas and must send 140 bytes between them: at least 46.7 each.
+    # Device 2 alone holds "b": 60 bytes, which bounds the largest load.
+    assert cost.sender_load_bound(src, s) == pytest.approx(60)
+    assert s.max_send_bytes >= 60  # a bound: no plan sends less from its busiest device
+    assert cost.sender_load_bound({"a": src["a"]}, jreshard.plan({"a": src["a"]}, {"a": dst["a"]}).stats()) == 50
