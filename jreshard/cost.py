@@ -364,9 +364,14 @@ def _hier_parts(dst: Layout, topo: Topology, cache: dict) -> list:
         groups = (dst.mesh, groups)
         cache[key] = groups
     mesh0, parts = groups
-    out = []
     if len(parts) == 1 and parts[0][2] is None:
         return [("direct", dst, None)]
+    # Tensors of one shape share their stage layouts: build them once.
+    lkey = (dst.shape, dst.dtype, id(dst.mesh), dst.spec)
+    out = cache.get(lkey)
+    if out is not None:
+        return out
+    out = cache[lkey] = []
     for part, mesh, rep in parts:
         target = Layout(dst.shape, mesh, dst.spec, dst.dtype)
         if rep is None:
