@@ -18,8 +18,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import sys  # noqa: E402
 
-import numpy as np  # noqa: E402
-
 import jreshard  # noqa: E402
 from jreshard import cost, scenario  # noqa: E402
 
@@ -63,7 +61,6 @@ def main(names: list[str]) -> None:
     print("'hier' = hierarchical delivery won. Published figures are quoted in the scenario files, "
           "for comparison, not calibration.")
     assert all(r["stats"].network_bytes == r["stats"].lower_bound_bytes for r in rows)
-    np.seterr(all="ignore")
 
 
 if __name__ == "__main__":

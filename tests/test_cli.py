@@ -105,3 +105,18 @@ def test_moe_scenario_at_full_size():
     p = r["predicted_seconds"]
     assert p["jreshard"] < p["flat_direct"] and p["jreshard"] < p["gather_broadcast"]
     assert r["delivery"] == "hierarchical"
+
+
+@pytest.mark.parametrize("experts", ["separate", "stacked"])
+def test_model_from_config_file(tmp_path, capsys, experts):
+    cfg = {"model_type": "qwen3_moe", "name": "cli-moe", "vocab_size": 64, "hidden_size": 16,
+           "moe_intermediate_size": 8, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 4, "num_experts": 4, "dtype": "float32"}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    rc, out, err = run(capsys, "--model", str(path), "--train", "tp=2,ep=2,pp=2", "--infer", "tp=2,dp=2",
+                       "--hardware", "dgx-h100", "--experts", experts, "--json")
+    assert rc == 0, err
+    r = json.loads(out)
+    assert r["tensors"] == 3 + 4 * (9 + (12 if experts == "separate" else 3))
+    assert r["bytes_moved"] == r["lower_bound_bytes"] > 0
