@@ -155,7 +155,7 @@ class BridgePlan:
       (96, 1, 32)
     """
 
-    def __init__(self, source: Source, mapping: Mapping, *, bucket_bytes: int = 64 << 20, balance: bool = True) -> None:
+    def __init__(self, source: Source, mapping: Mapping, *, bucket_bytes: int = 16 << 20, balance: bool = True) -> None:
         if not isinstance(source, Source):
             raise TypeError(f"source must be a bridge.Source, got {type(source).__name__}.")
         if not isinstance(mapping, Mapping):

@@ -7,7 +7,9 @@ Protocol of one sync, every rank of the group taking part:
    failed sends a non-zero status; fingerprints or versions that differ raise
    ``PlanMismatchError`` on every rank before any data moves.
 2. Buckets: per bucket every rank posts one ``batch_isend_irecv`` with one
-   contiguous uint8 buffer per peer. Buffers come from two arenas per side, so
+   contiguous uint8 buffer per peer; each piece starts at a 64-byte-aligned
+   offset and is laid out C-contiguous in the torch parameter's dim order
+   (the sender transposes, the receiver only copies blocks). Buffers come from two arenas per side, so
    the sender packs bucket b+1 while bucket b is on the wire and the receiver
    unpacks bucket b while bucket b+1 arrives.
 3. Ack: one ``all_reduce(MIN)`` of an ok flag; receivers commit only when every

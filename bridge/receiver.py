@@ -126,17 +126,15 @@ class Receiver:
             steps = []
             for i, off in m.items:
                 t = self.plan.transfers[i]
-                box, perm = self.plan.dst_region(t)
-                shape = tuple(b - a for a, b in t.box)
+                box, _ = self.plan.dst_region(t)  # pieces arrive in torch dim order
                 dtype = torch_dtype(self.plan.target(t.target, t.dst).dtype)
-                steps.append((t.target, box, perm, off, t.nbytes, shape, dtype))
+                steps.append((t.target, box, off, t.nbytes, tuple(s.stop - s.start for s in box), dtype))
             out[(m.bucket, m.src)] = steps
         return out
 
     def _unpack(self, into: dict[str, torch.Tensor], m: Message, buf: torch.Tensor) -> None:
-        for name, box, perm, off, n, shape, dtype in self._unpack_plan[(m.bucket, m.src)]:
-            piece = buf[off:off + n].view(dtype).view(shape)
-            into[name][box].copy_(piece.permute(perm))
+        for name, box, off, n, shape, dtype in self._unpack_plan[(m.bucket, m.src)]:
+            into[name][box].copy_(buf[off:off + n].view(dtype).view(shape))
 
     def sync(self, group: dist.ProcessGroup | None = None) -> int:
         """Receives one sync; returns its version (the trainers' step).

@@ -1,0 +1,268 @@
+"""Benchmark: the bridge vs gather-then-broadcast vs raw point-to-point gloo, side by side in one run.
+
+Setup: 2 JAX trainer processes (2 simulated CPU devices each, FSDP over 4) and 2 torch
+inference ranks (TP2, vLLM-style fused qkv/gate_up, padded vocabulary), all on 127.0.0.1
+over gloo. The weights are float32 in JAX and bfloat16 on the inference ranks.
+
+  bridge     bridge.sender.Sender -> bridge.Receiver (DLPack export, cast while packing,
+             one buffer per peer per bucket, atomic commit on the receivers)
+  gather     what RL stacks do today: per tensor, gather the full tensor on trainer 0
+             (a jitted all-gather to a replicated sharding), cast to bfloat16, broadcast it to
+             every inference rank, each rank slicing its TP part
+  raw p2p    gloo batch_isend_irecv of preallocated contiguous buffers with exactly the
+             bridge's bytes per (sender, receiver) pair: the transport's ceiling
+
+Usage: python benchmarks/bridge_bench.py [--layers 8 --hidden 1024 --reps 5 --bucket-mb 16 --plain --profile]
+Prints medians, ratios, the machine and the versions. Goals: bridge >= 2x gather, >= 70% of raw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+TRAINERS, RECEIVERS, WORLD = (0, 1), (2, 3), 4
+
+
+def _config(args):
+    from jreshard.nn import LlamaConfig
+
+    return LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
+                       num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
+                       num_key_value_heads=max(1, args.hidden // 128), head_dim=64, name="bench")
+
+
+def _plan(args):
+    import bridge
+    from jreshard.nn import fsdp_spec, param_shapes
+
+    cfg = _config(args)
+    src = bridge.Source.build(param_shapes(cfg), bridge.trainer_mesh((4,), "fsdp", TRAINERS, 2), fsdp_spec)
+    if args.plain:
+        # Same bytes per rank, no layout transform: float32 kept, kernels not transposed (the torch
+        # side then holds [in, out] slices). Isolates the bridge's transport and pipeline overhead.
+        rules = [dataclasses.replace(r, transpose=False, shard=1 - r.shard if r.transpose and r.shard is not None
+                                     else r.shard) for r in bridge.llama_rules(cfg, fused=True)]
+        mapping = bridge.tp_mapping(src, rules, list(RECEIVERS), dtype="float32")
+    else:
+        mapping = bridge.llama_mapping(cfg, src, list(RECEIVERS), fused=True, dtype="bfloat16")
+    return cfg, src, bridge.BridgePlan(src, mapping, bucket_bytes=args.bucket_mb << 20)
+
+
+def _timed(fn, profile: bool = False) -> float:
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    if profile:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.runcall(fn)
+        print(f"PROFILE rank {dist.get_rank()}", flush=True)
+        pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(12)
+    else:
+        fn()
+    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def worker(args) -> None:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    import bridge
+
+    rank = args.rank
+    cfg, src, plan = _plan(args)
+    bridge.init_group(rank, WORLD, port=args.port, timeout=300)
+    bcast = dist.new_group([0, *RECEIVERS])
+    pairs = sorted({(t.src_rank, t.dst) for t in plan.transfers})
+    pair_bytes = {p: sum(t.nbytes for t in plan.transfers if (t.src_rank, t.dst) == p) for p in pairs}
+    raw = {p: torch.empty(n, dtype=torch.uint8) for p, n in pair_bytes.items() if rank in p}
+    times: dict[str, list[float]] = {"bridge": [], "gather": [], "raw": []}
+
+    def raw_p2p():
+        ops = [dist.P2POp(dist.isend if s == rank else dist.irecv, buf, d if s == rank else s)
+               for (s, d), buf in raw.items()]
+        for w in dist.batch_isend_irecv(ops) if ops else []:
+            w.wait()
+
+    if rank in TRAINERS:
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        from bridge.sender import Sender, flatten_params
+        from jreshard.nn import fsdp_spec
+
+        jax.distributed.initialize(f"127.0.0.1:{args.jax_port}", num_processes=2, process_id=rank,
+                                   initialization_timeout=120)
+        mesh = jax.make_mesh((4,), ("fsdp",), devices=jax.devices(), axis_types=(jax.sharding.AxisType.Auto,))
+        rng = np.random.default_rng(0)
+        params = {}
+        for path, layout in src.items():
+            a = rng.standard_normal(layout.shape, dtype=np.float32)
+            params[path] = jax.make_array_from_callback(
+                a.shape, NamedSharding(mesh, P(*fsdp_spec(path, a.shape))), lambda idx, a=a: a[idx])
+        sender = Sender(plan, rank=rank, timeout=300)
+        wire = getattr(torch, plan.mapping.targets[0].dtype)
+        replicate = jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, P()))
+
+        def gather():
+            for path in src.paths:  # one tensor at a time, as RL stacks do
+                full = replicate(params[path])
+                if rank == 0:
+                    t = torch.from_dlpack(full.addressable_data(0)).to(wire)
+                    dist.broadcast(t, src=0, group=bcast)
+                else:
+                    full.block_until_ready()  # trainer 1 takes part in the all-gather, then idles
+
+        for rep in range(args.reps + 1):
+            step = rep + 1
+            tb = _timed(lambda: sender.sync(params, version=step), args.profile and rep == args.reps)
+            tg = _timed(gather)
+            tr = _timed(raw_p2p)
+            if rep:  # the first repetition warms up (jit compilation, buffers)
+                times["bridge"].append(tb), times["gather"].append(tg), times["raw"].append(tr)
+        flatten_params  # noqa: B018  (the sender's flattening is part of the bridge's time)
+    else:
+        targets = plan.mapping.for_rank(rank)
+        wire = getattr(torch, targets[0].dtype)
+        local = {t.name: torch.zeros(t.shape, dtype=wire) for t in targets}
+        receiver = bridge.Receiver(plan, local, rank=rank, timeout=300)
+        sliced = {t.name: torch.zeros(t.shape, dtype=wire) for t in targets}
+        by_leaf: dict[str, list] = {}
+        for t in targets:
+            for r in t.regions:
+                by_leaf.setdefault(r.source, []).append((t.name, r))
+
+        def gather():
+            for path, layout in src.items():
+                full = torch.empty(layout.shape, dtype=wire)
+                dist.broadcast(full, src=0, group=bcast)
+                for name, r in by_leaf.get(path, []):
+                    box = tuple(slice(a, b) for a, b in r.box)
+                    dst = tuple(slice(o, o + n) for o, n in zip(r.offset, r.shape, strict=True))
+                    sliced[name][dst].copy_(full[box].permute(r.transpose))
+
+        for rep in range(args.reps + 1):
+            tb = _timed(receiver.sync, args.profile and rep == args.reps)
+            tg = _timed(gather)
+            tr = _timed(raw_p2p)
+            if rep:
+                times["bridge"].append(tb), times["gather"].append(tg), times["raw"].append(tr)
+        same = all(torch.equal(local[n], sliced[n]) for n in local)
+        if rank == RECEIVERS[0]:
+            out = {"times": times, "bridge_equals_gather": same, "network_bytes": plan.network_bytes,
+                   "recv_bytes": plan.rank_bytes()["recv"], "buckets": plan.num_buckets,
+                   "model_bytes_f32": sum(4 * int(np.prod(l.shape)) for _, l in src.items()),
+                   "transfers": len(plan.transfers), "messages": len(plan.messages)}
+            print("RESULT " + json.dumps(out), flush=True)
+    dist.barrier()
+    if rank in TRAINERS:
+        os._exit(0)  # skip the JAX coordination shutdown barrier
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--bucket-mb", type=int, default=16)
+    ap.add_argument("--plain", action="store_true",
+                    help="float32 without transposes: the same boxes with no cast or transpose")
+    ap.add_argument("--rank", type=int, default=-1)
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--jax-port", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=1200)
+    ap.add_argument("--profile", action="store_true", help="print a cProfile of the last bridge sync per rank")
+    args = ap.parse_args()
+    if args.rank >= 0:
+        worker(args)
+        return
+    port, jport = _free_port(), _free_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1",
+               XLA_FLAGS="--xla_force_host_platform_device_count=2", PYTHONUNBUFFERED="1")
+    common = [f"--layers={args.layers}", f"--hidden={args.hidden}", f"--vocab={args.vocab}",
+              f"--reps={args.reps}", f"--bucket-mb={args.bucket_mb}", *(["--profile"] if args.profile else []),
+              *(["--plain"] if args.plain else []), f"--port={port}", f"--jax-port={jport}"]
+    procs = [subprocess.Popen([sys.executable, __file__, f"--rank={r}", *common], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for r in range(WORLD)]
+    outputs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=args.timeout)
+            outputs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    lines = [l for o in outputs for l in o.splitlines() if l.startswith("RESULT ")]
+    if not lines:
+        print("\n".join(o[-3000:] for o in outputs))
+        raise SystemExit("benchmark failed: no result")
+    res = json.loads(lines[0][len("RESULT "):])
+    if args.profile:
+        for o in outputs:
+            i = o.find("PROFILE")
+            if i >= 0:
+                print(o[i:o.find("RESULT") if "RESULT" in o[i:] else None][:4000])
+    _report(args, res)
+
+
+def _report(args, res) -> None:
+    import jax
+    import numpy as np
+    import torch
+
+    med = {k: statistics.median(v) for k, v in res["times"].items()}
+    nbytes = res["network_bytes"]
+    cfg = _config(args)
+    print(f"machine: {platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores, "
+          f"{platform.system()} {platform.release()}, python {platform.python_version()}")
+    print(f"versions: jax {jax.__version__}, torch {torch.__version__}, numpy {np.__version__}, backend gloo 127.0.0.1")
+    print(f"model: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, intermediate {cfg.intermediate_size}, "
+          f"vocab {cfg.vocab_size}: {res['model_bytes_f32'] / 1e6:.1f} MB float32 in JAX")
+    kind = ("float32, kernels not transposed (--plain)" if args.plain
+            else "bfloat16, kernels transposed to torch [out, in]")
+    print(f"sync: FSDP4 over 2 trainer processes -> TP2 (fused, padded vocab) on 2 inference ranks, {kind}; "
+          f"{nbytes / 1e6:.1f} MB on the wire, {res['buckets']} buckets of {args.bucket_mb} MiB, "
+          f"{res['transfers']} boxes in {res['messages']} messages; bridge result == gather result: "
+          f"{res['bridge_equals_gather']}")
+    print(f"repetitions: {args.reps} (after one warm-up), medians:")
+    for k, label in (("bridge", "bridge"), ("gather", "gather-then-broadcast"), ("raw", "raw p2p, same bytes")):
+        ts = res["times"][k]
+        print(f"  {label:<24} {med[k] * 1e3:9.1f} ms   {nbytes / med[k] / 1e9:6.2f} GB/s of bridge bytes   "
+              f"(min {min(ts) * 1e3:.1f}, max {max(ts) * 1e3:.1f})")
+    print(f"speed-up over gather-then-broadcast: {med['gather'] / med['bridge']:.2f}x (goal >= 2x)")
+    print(f"fraction of raw p2p bandwidth:       {med['raw'] / med['bridge'] * 100:.0f}% (goal >= 70%)")
+
+
+if __name__ == "__main__":
+    main()
