@@ -834,19 +834,37 @@ def _refine(staged, choice, blk, brow, classes, cls, nbytes, chosen, load, max_r
     blk, brow, cls, nbytes, chosen = (np.concatenate([a, np.zeros(cap - n, a.dtype)])
                                       for a in (blk, brow, cls, nbytes, chosen))
     boxes: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-    for _ in range(rounds):
-        top = int(np.argmax(load))
-        mine = np.nonzero(chosen[:n] == top)[0]
+    def least_loaded_alternative(dev: int):
+        mine = np.nonzero(chosen[:n] == dev)[0]
         if not len(mine):
-            break
+            return None
         alt = classes[cls[mine]]
-        valid = (alt >= 0) & (alt != top)
+        valid = (alt >= 0) & (alt != dev)
         if not valid.any():
-            break
+            return None
         alt_load = np.where(valid, load[np.maximum(alt, 0)], np.inf)
         best = int(alt[np.unravel_index(np.argmin(alt_load), alt.shape)])
+        return best, mine, alt
+
+    for _ in range(rounds):
+        top = int(np.argmax(load))
+        slack = max(1.0, 1e-4 * load[top])
+        found = least_loaded_alternative(top)
+        if found is not None and load[top] - load[found[0]] <= slack:
+            # Every replica partner of the top sender is as loaded as it: let one of
+            # them shed load to a third device first (a two-step move).
+            peers = np.unique(found[2][(found[2] >= 0) & (found[2] != top)])
+            found = None
+            for peer in peers[np.argsort(-load[peers], kind="stable")][:4]:  # bounded work per round
+                step = least_loaded_alternative(int(peer))
+                if step is not None and load[peer] - load[step[0]] > slack:
+                    top, found = int(peer), step
+                    break
+        if found is None:
+            break
+        best, mine, alt = found
         gap = load[top] - load[best]
-        if gap <= max(1.0, 1e-4 * load[top]):
+        if gap <= slack:
             break
         delta = gap / 2
         movable = mine[(alt == best).any(axis=1)]
