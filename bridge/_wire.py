@@ -155,8 +155,12 @@ def _progress(enabled: bool | None, total: int, rank: int):
 
 def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, status: int, timeout: float,
              ready_timeout: float, pack: Callable[[Message, torch.Tensor], None],
-             unpack: Callable[[Message, torch.Tensor], None], progress: bool | None = None) -> int:
-    """Runs the protocol for one rank; returns the agreed version. Raises SyncError on any failure."""
+             unpack: Callable[[Message, torch.Tensor], None], progress: bool | None = None,
+             device: torch.device | str = "cpu") -> int:
+    """Runs the protocol for one rank; returns the agreed version. Raises SyncError on any failure.
+
+    Staging buffers live on ``device`` (the parameters' device: CUDA with NCCL, CPU with gloo).
+    """
     ranks = _group_ranks(group)
     if rank not in ranks:
         raise SyncError(f"rank {rank} is not in the process group (ranks {ranks}).")
@@ -174,7 +178,7 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
         total = sum(m.nbytes for m in msgs)
         buf = arena[kind][b % 2]
         if buf is None or buf.numel() < total:
-            buf = arena[kind][b % 2] = torch.empty(max(total, 1), dtype=torch.uint8)
+            buf = arena[kind][b % 2] = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
         out, off = [], 0
         for m in msgs:
             out.append(buf[off:off + m.nbytes])

@@ -154,7 +154,8 @@ class Receiver:
             into = self.params
             self.consistent = False
         version = run_sync(self.plan, self.rank, group, role=RECEIVER, version=-1, status=0, timeout=self.timeout,
-                           ready_timeout=self.ready_timeout, pack=_no_pack, unpack=lambda m, buf: self._unpack(into, m, buf), progress=self.progress)
+                           ready_timeout=self.ready_timeout, pack=_no_pack, unpack=lambda m, buf: self._unpack(into, m, buf), progress=self.progress,
+                           device=next(iter(self.params.values())).device)
         if self.atomic:
             with torch.no_grad():
                 for name, dst in self.params.items():

@@ -218,7 +218,14 @@ class Sender:
         cache: dict = {}
         return run_sync(self.plan, self.rank, group, role=SENDER, version=version, status=0, timeout=self.timeout,
                         ready_timeout=self.ready_timeout, pack=lambda m, buf: self._pack(shards, cache, m, buf),
-                        unpack=_no_unpack, progress=self.progress)
+                        unpack=_no_unpack, progress=self.progress, device=_torch_device(shards))
+
+
+def _torch_device(shards: dict) -> torch.device:
+    """Where this process's shards live, as a torch device (staging buffers go there too)."""
+    for x in shards.values():
+        return torch.from_dlpack(x).device
+    return torch.device("cpu")
 
 
 def jax_jit(fn):
