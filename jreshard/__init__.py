@@ -39,12 +39,13 @@ __all__ = [
     "plan",
     "plan_layouts",
     "reference",
+    "release_transfer_buffers",
     "transfer",
 ]
 
 # Names served by optional layers, imported on first use so that `import jreshard`
 # works on machines without jax (a torch-only inference server plans with it too).
-_LAZY: dict[str, str] = {"transfer": "jreshard._transfer"}
+_LAZY: dict[str, str] = {"transfer": "jreshard._transfer", "release_transfer_buffers": "jreshard._transfer"}
 
 
 def __getattr__(name: str) -> Any:

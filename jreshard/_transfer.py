@@ -56,7 +56,7 @@ from jreshard._jax_plan import Leaves, parse
 from jreshard._planner import Plan, TensorPlan
 from jreshard._tree import path_str
 
-__all__ = ["transfer", "DEFAULT_MAX_BYTES_IN_FLIGHT", "TRANSPORTS"]
+__all__ = ["transfer", "release_transfer_buffers", "DEFAULT_MAX_BYTES_IN_FLIGHT", "TRANSPORTS"]
 
 DEFAULT_MAX_BYTES_IN_FLIGHT = 256 << 20
 TRANSPORTS = ("auto", "collective", "device_put", "memcpy")
@@ -253,12 +253,23 @@ def _slice(x: jax.Array, start: tuple[int, ...], shape: tuple[int, ...]) -> jax.
 def _as_uint(x: jax.Array) -> jax.Array:
     if x.dtype == jnp.bool_:
         return x.astype(jnp.uint8)
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):  # bitcasts refuse complex: move its two words
+        half = _UINT[x.dtype.itemsize // 2]
+        words = jnp.stack([jax.lax.bitcast_convert_type(jnp.real(x), half),
+                           jax.lax.bitcast_convert_type(jnp.imag(x), half)], axis=-1)
+        return jax.lax.bitcast_convert_type(words, _UINT[x.dtype.itemsize])
     return jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize])
 
 
 def _from_uint(u: jax.Array, dtype: np.dtype) -> jax.Array:
     if dtype == np.bool_:
         return u != 0
+    if np.issubdtype(dtype, np.complexfloating):
+        half = dtype.itemsize // 2
+        words = jax.lax.bitcast_convert_type(u, _UINT[half])
+        real = np.dtype(f"float{8 * half}")
+        return jax.lax.complex(jax.lax.bitcast_convert_type(words[..., 0], real),
+                               jax.lax.bitcast_convert_type(words[..., 1], real))
     return jax.lax.bitcast_convert_type(u, dtype)
 
 
@@ -282,6 +293,36 @@ def _from_bytes(buf: jax.Array, offset: int, shape: tuple[int, ...], itemsize: i
     if itemsize == 1:
         return raw.reshape(shape)
     return jax.lax.bitcast_convert_type(raw.reshape(shape + (itemsize,)), _UINT[itemsize])
+
+
+def _assemble(parts: list[tuple[tuple[int, ...], jax.Array]], shape: tuple[int, ...]) -> jax.Array | None:
+    """The shard of ``shape`` tiled by ``parts`` (start, value), by concatenation; None if they do not tile it.
+
+    Concatenation along guillotine cuts is a single copy; writing pieces into zeros
+    with dynamic_update_slice (the fallback) copies several times slower on CPU.
+    """
+    if sum(math.prod(v.shape) for _, v in parts) != math.prod(shape):
+        return None
+    if len(parts) == 1:
+        start, v = parts[0]
+        return v if tuple(v.shape) == shape and not any(start) else None
+    for k in range(len(shape)):
+        edges = sorted({st[k] for st, _ in parts} | {st[k] + v.shape[k] for st, v in parts})
+        if edges[0] != 0 or edges[-1] != shape[k]:
+            return None
+        cuts = [c for c in edges[1:-1] if not any(st[k] < c < st[k] + v.shape[k] for st, v in parts)]
+        if not cuts:
+            continue
+        bounds = [0, *cuts, shape[k]]
+        slabs = []
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            members = [(st[:k] + (st[k] - a,) + st[k + 1:], v) for st, v in parts if a <= st[k] < b]
+            slab = _assemble(members, shape[:k] + (b - a,) + shape[k + 1:])
+            if slab is None:
+                return None
+            slabs.append(slab)
+        return jnp.concatenate(slabs, axis=k)
+    return None
 
 
 def _make_pack(leaves: tuple[int, ...], buffers: list[tuple[_Buffer, int]], src_dtypes: list[np.dtype],
@@ -326,9 +367,8 @@ def _make_unpack(carried: tuple[int, ...], fresh: tuple[int, ...], buffers: list
         out = []
         for leaf in carried + fresh:
             parts = writes[leaf]
-            if leaf not in acc and len(parts) == 1 and tuple(parts[0][1].shape) == shapes[leaf]:
-                a = parts[0][1]  # one piece is the whole shard
-            else:
+            a = None if leaf in acc else _assemble(parts, shapes[leaf])
+            if a is None:  # part of the shard (a wave of several), or not a guillotine tiling
                 a = acc[leaf] if leaf in acc else jnp.zeros(shapes[leaf], _UINT[dtypes[leaf].itemsize])
                 for start, v in parts:
                     a = jax.lax.dynamic_update_slice(a, v, start)
@@ -366,12 +406,7 @@ class _Executor:
 
     def __init__(self, leaves: Leaves, tplans: list[TensorPlan], transport: str, cap: int, host_packing: bool) -> None:
         self.host_packing = host_packing
-        # Host packing keeps one staging arena per sending device between syncs (at most
-        # the largest wave's send bytes, so at most the cap): fresh pages cost more to
-        # fault in than to fill. The lock serialises syncs that share the arenas.
-        self._arenas: dict[int, np.ndarray] = {}
-        self._zeros: dict[int, np.ndarray] = {}
-        self._lock = threading.Lock()
+        # Host packing stages in the module's per-device arenas (_ARENAS, _ZEROS).
         self.shardings = leaves.shardings
         self.dtypes = list(leaves.dtypes)
         self.src_dtypes = [np.dtype(v.dtype) for v in leaves.values]
@@ -482,7 +517,7 @@ class _Executor:
             def pack(task) -> np.ndarray:
                 s, b, width = task
                 start = slots[(s, b.dst)]
-                buf = self._arenas[s][start:start + width]
+                buf = _ARENAS[s][start:start + width]
                 for p, off in zip(b.pieces, b.offsets, strict=True):
                     isz = self.dtypes[p.leaf].itemsize
                     dst = buf[off:off + p.nbytes].view(_NP_UINT[isz]).reshape(p.shape)
@@ -519,9 +554,9 @@ class _Executor:
         if not self.host_packing:
             return jnp.zeros((width,), jnp.uint8, device=device)
         # On host memory, a view of one kept zero arena per device, adopted without a copy.
-        arena = self._zeros.get(device.id)
+        arena = _ZEROS.get(device.id)
         if arena is None or len(arena) < width:
-            arena = self._zeros[device.id] = _aligned_empty((width,), np.uint8)
+            arena = _ZEROS[device.id] = _aligned_empty((width,), np.uint8)
             arena[...] = 0
         return jax.device_put(arena[:width], device)
 
@@ -533,8 +568,8 @@ class _Executor:
                 slots[(s, b.dst)] = size[s]
                 size[s] += -(-width // 64) * 64
         for s, n in size.items():
-            if s not in self._arenas or len(self._arenas[s]) < n:
-                self._arenas[s] = _aligned_empty((n,), np.uint8)
+            if s not in _ARENAS or len(_ARENAS[s]) < n:
+                _ARENAS[s] = _aligned_empty((n,), np.uint8)
         return slots
 
     def _memcpy(self, shard) -> dict[tuple[int, int], jax.Array]:
@@ -713,6 +748,23 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
     return _POOL
 
 
+# Host packing keeps, between syncs, one staging arena per sending device (the largest
+# wave's send bytes, so at most the cap) and one zero buffer per device for the rounds
+# it sits out: on the machines measured, faulting in fresh pages cost more than
+# filling them. They are shared by all plans, so they hold at most about twice the
+# largest cap used per device; the lock serialises syncs that use them.
+_ARENAS: dict[int, np.ndarray] = {}
+_ZEROS: dict[int, np.ndarray] = {}
+_LOCK = threading.Lock()
+
+
+def release_transfer_buffers() -> None:
+    """Frees the staging buffers kept between syncs (they are rebuilt on the next sync)."""
+    with _LOCK:
+        _ARENAS.clear()
+        _ZEROS.clear()
+
+
 _EXECUTORS: OrderedDict = OrderedDict()
 _EXECUTORS_SIZE = 16
 
@@ -825,10 +877,20 @@ def transfer(params: Any, target: Any, *, plan: Plan | TensorPlan | None = None,
     transport = _resolve_transport(transport, leaves)
     platforms = {d.platform for v in leaves.values for d in v.sharding.device_set}
     host_packing = transport != "memcpy" and platforms <= _HOST_PACKING_BACKENDS
+    if not host_packing and transport != "memcpy":
+        x64 = jax.config.jax_enable_x64
+        for name, v, dt in zip(leaves.names, leaves.values, leaves.dtypes, strict=True):
+            for d in {np.dtype(v.dtype), dt}:
+                if np.issubdtype(d, np.complexfloating) and not (x64 and d.itemsize == 8):
+                    raise TypeError(
+                        f"params leaf {name!r} has dtype {d}, which this backend's compiled packing cannot "
+                        "move (it needs an unsigned integer as wide as the element); move the real and "
+                        "imaginary parts as separate float leaves, or enable jax_enable_x64 for complex64."
+                    )
     key = (plan, leaves.shardings, tuple(v.sharding for v in leaves.values),
            tuple(dt.name for dt in leaves.dtypes), transport, cap, host_packing)
     ex = _executor(leaves, tplans, key, transport, cap, host_packing)
-    with ex._lock:
+    with _LOCK:
         out = ex(leaves.values, donate)
     return jax.tree_util.tree_unflatten(leaves.treedef, out)
 

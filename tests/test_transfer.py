@@ -378,3 +378,31 @@ def test_docstring_example_runs():
 
     result = doctest.testmod(_transfer, optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_assemble_concatenates_guillotine_tilings_and_refuses_others():
+    def piece(start, shape):
+        return (start, jnp.full(shape, len(start) + start[0] * 10 + start[1], jnp.uint32))
+
+    grid = [piece((0, 0), (2, 3)), piece((0, 3), (2, 1)), piece((2, 0), (1, 4))]
+    out = _transfer._assemble(grid, (3, 4))
+    want = np.zeros((3, 4), np.uint32)
+    for start, v in grid:
+        want[start[0]:start[0] + v.shape[0], start[1]:start[1] + v.shape[1]] = np.asarray(v)
+    np.testing.assert_array_equal(np.asarray(out), want)
+    # A pinwheel has no guillotine cut; a partial cover is not a tiling: both fall back.
+    pinwheel = [piece((0, 0), (2, 1)), piece((0, 1), (1, 2)), piece((1, 2), (2, 1)), piece((2, 0), (1, 2)),
+                piece((1, 1), (1, 1))]
+    assert _transfer._assemble(pinwheel, (3, 3)) is None
+    assert _transfer._assemble(grid[:2], (3, 4)) is None
+
+
+@pytest.mark.parametrize("transport", ["memcpy", "collective", "collective/xla"])
+def test_complex_dtypes_move_exactly_or_are_refused_clearly(transport):
+    host = (np.arange(64).reshape(8, 8) + 1j * np.arange(64).reshape(8, 8)[::-1]).astype(np.complex64)
+    x = jax.device_put(host, NamedSharding(TRAIN, P("fsdp")))
+    if transport.endswith("/xla") and not jax.config.jax_enable_x64:
+        with pytest.raises(TypeError, match="has dtype complex64, which this backend's compiled packing cannot move"):
+            xfer(x, T, transport=transport)
+        return
+    np.testing.assert_array_equal(np.asarray(xfer(x, T, transport=transport)), host)
