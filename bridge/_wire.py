@@ -192,24 +192,27 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
             pack(m, buf)
         return sends, sbufs, recvs, buffers(1, b, recvs)
 
-    def post(state):
+    def post(state, b: int):
         sends, sbufs, recvs, rbufs = state
         ops = [dist.P2POp(dist.isend, buf, m.dst, group) for m, buf in zip(sends, sbufs, strict=True)]
         ops += [dist.P2POp(dist.irecv, buf, m.src, group) for m, buf in zip(recvs, rbufs, strict=True)]
-        return dist.batch_isend_irecv(ops) if ops else []
+        try:
+            return dist.batch_isend_irecv(ops) if ops else []
+        except RuntimeError as e:  # gloo fails at once when a peer's connection is already closed
+            raise SyncError(f"rank {rank}: posting bucket {b + 1}/{plan.num_buckets} failed: {e}") from e
 
     bar = _progress(progress, sum(m.nbytes for m in plan.messages if rank in (m.src, m.dst)), rank)
     ok = False
     try:
         nb = plan.num_buckets
         state = prepare(0) if nb else None
-        works = post(state) if nb else []
+        works = post(state, 0) if nb else []
         for b in range(nb):
             nxt = prepare(b + 1) if b + 1 < nb else None
             peers = [m.dst for m in state[0]] + [m.src for m in state[2]]
             for w, peer in zip(works, peers, strict=True):
                 _wait(w, timeout, f"bucket {b + 1}/{nb} with peer rank {peer}", rank)
-            works = post(nxt) if nxt is not None else []
+            works = post(nxt, b + 1) if nxt is not None else []
             for m, buf in zip(state[2], state[3], strict=True):
                 unpack(m, buf)
             if bar is not None:

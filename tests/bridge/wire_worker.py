@@ -1,0 +1,109 @@
+"""A torch-only pair of processes for the wire-protocol test (no jax): rank 0 sends, rank 1 receives.
+
+Rank 0 drives ``bridge._wire.run_sync`` directly with a NumPy-backed pack (standing in for the
+JAX Sender), so the protocol's failure handling is tested in seconds. Phases:
+
+  ok       a sync succeeds, bit-exact
+  stall    the sender joins, then stalls past the receiver's timeout: the receiver fails in time,
+           its weights and version unchanged
+  inplace  after recreating the group, an in-place (atomic=False) sync succeeds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import bridge  # noqa: E402
+from bridge._wire import SENDER, run_sync  # noqa: E402
+from jreshard import Layout  # noqa: E402
+
+STALL_TIMEOUT = 2.0
+
+
+def make_plan() -> tuple[bridge.BridgePlan, dict[str, np.ndarray]]:
+    mesh = bridge.trainer_mesh((2,), "fsdp", [0], 2)
+    src = bridge.Source({"w": Layout((64, 48), mesh, ("fsdp",), "float32"),
+                         "v": Layout((48,), mesh, (), "float32")})
+    rules = [bridge.Rule("w", "linear.weight", transpose=True, shard=None), bridge.Rule("v", "norm.weight")]
+    plan = bridge.BridgePlan(src, bridge.tp_mapping(src, rules, [1], dtype="bfloat16"), bucket_bytes=2048)
+    rng = np.random.default_rng(0)
+    return plan, {"w": rng.standard_normal((64, 48), dtype=np.float32), "v": rng.standard_normal(48, dtype=np.float32)}
+
+
+def sender(plan, arrays, stall: float):
+    def pack(m, buf):
+        if stall:
+            time.sleep(stall)
+        for i, off in m.items:
+            t = plan.transfers[i]
+            _, perm = plan.dst_region(t)
+            piece = torch.from_numpy(arrays[t.source][tuple(slice(a, b) for a, b in t.box)]).permute(perm)
+            buf[off:off + t.nbytes].view(torch.bfloat16).view(piece.shape).copy_(piece)
+
+    return pack
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--port2", type=int, required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    plan, arrays = make_plan()
+    events: dict = {"buckets": plan.num_buckets}
+    bridge.init_group(args.rank, 2, port=args.port, timeout=30)
+    if args.rank == 0:
+        for phase, version, stall in (("ok", 1, 0.0), ("stall", 2, STALL_TIMEOUT + 3)):
+            t0 = time.perf_counter()
+            try:
+                run_sync(plan, 0, None, role=SENDER, version=version, status=0, timeout=STALL_TIMEOUT + 8,
+                         ready_timeout=30, pack=sender(plan, arrays, stall), unpack=None)
+                events[phase] = {"ok": True}
+            except bridge.SyncError as e:
+                events[phase] = {"ok": False, "error": type(e).__name__, "seconds": time.perf_counter() - t0}
+        dist.destroy_process_group()
+        bridge.init_group(0, 2, port=args.port2, timeout=30)
+        run_sync(plan, 0, None, role=SENDER, version=3, status=0, timeout=10, ready_timeout=30,
+                 pack=sender(plan, {k: v * 2 for k, v in arrays.items()}, 0.0), unpack=None)
+        events["inplace"] = {"ok": True}
+    else:
+        params = {t.name: torch.full(t.shape, 7.0, dtype=torch.bfloat16) for t in plan.mapping.for_rank(1)}
+        rec = bridge.Receiver(plan, params, rank=1, timeout=STALL_TIMEOUT)
+        events["ok"] = {"version": rec.sync()}
+        want = plan.reference(arrays)[1]
+        events["ok"]["exact"] = all(torch.equal(params[n].float(), torch.from_numpy(want[n].astype(np.float32)))
+                                    for n in params)
+        before = {k: v.clone() for k, v in params.items()}
+        t0 = time.perf_counter()
+        try:
+            rec.sync()
+            events["stall"] = {"ok": True}
+        except bridge.SyncError as e:
+            events["stall"] = {"ok": False, "error": type(e).__name__, "message": str(e),
+                               "seconds": time.perf_counter() - t0, "version": rec.version,
+                               "unchanged": all(torch.equal(before[k], params[k]) for k in params)}
+        dist.destroy_process_group()
+        bridge.init_group(1, 2, port=args.port2, timeout=30)
+        inplace = bridge.Receiver(plan, params, rank=1, atomic=False, timeout=10)
+        events["inplace"] = {"version": inplace.sync(), "consistent": inplace.consistent}
+        want = plan.reference({k: v * 2 for k, v in arrays.items()})[1]
+        events["inplace"]["exact"] = all(
+            torch.equal(params[n].float(), torch.from_numpy(want[n].astype(np.float32))) for n in params)
+        events["jax_imported"] = "jax" in sys.modules
+    with open(os.path.join(args.out, f"wire{args.rank}.json"), "w") as f:
+        json.dump(events, f)
+
+
+if __name__ == "__main__":
+    main()
