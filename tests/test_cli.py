@@ -120,3 +120,9 @@ def test_model_from_config_file(tmp_path, capsys, experts):
     r = json.loads(out)
     assert r["tensors"] == 3 + 4 * (9 + (12 if experts == "separate" else 3))
     assert r["bytes_moved"] == r["lower_bound_bytes"] > 0
+
+
+def test_progress_bar_on_stderr(capsys):
+    rc, out, err = run(capsys, "qwen3-32b-fsdp8-to-tp4dp2", "--progress", "on", "--json")
+    assert rc == 0 and json.loads(out)["tensors"] == 707
+    assert "plan (cold)" in err and "cost model" in err
