@@ -175,3 +175,54 @@ def test_huge_replica_class_is_balanced_and_exact():
     s = p.stats()
     assert s.network_bytes == s.lower_bound_bytes and s.send_imbalance < 1.01
     assert s.messages <= 16 + 3  # contiguous runs: about one sender per receiver
+
+
+def _random_model(rng: np.random.Generator) -> tuple[dict, dict]:
+    """Several tensors of one shape over two source and two destination meshes with shuffled
+    ids (the planner groups such tensors by mesh pair)."""
+    from jreshard import Layout, Mesh
+
+    def mesh(ids):
+        ids = rng.permutation(ids)
+        return Mesh(ids.reshape(2, -1), ("a", "b")) if len(ids) % 2 == 0 and rng.random() < 0.5 else Mesh(ids, ("a",))
+
+    def spec(m, rank):
+        out = [None] * rank
+        for axis in rng.permutation(m.axis_names):
+            if rng.random() < 0.6:
+                d = int(rng.integers(rank))
+                out[d] = (out[d] or ()) + (str(axis),)
+        return tuple(out)
+
+    pool = rng.permutation(12)
+    ns, nd = int(rng.choice([1, 2, 4, 6])), int(rng.choice([1, 2, 4, 6]))
+    s_ids, d_ids = pool[:ns], (pool[:nd] if rng.random() < 0.3 else pool[ns:ns + nd])
+    smeshes, dmeshes = [mesh(s_ids) for _ in range(2)], [mesh(d_ids) for _ in range(2)]
+    shape = tuple(int(x) for x in rng.integers(1, 9, size=int(rng.integers(1, 3))))
+    src, dst = {}, {}
+    for t in range(int(rng.integers(1, 10))):
+        sm, dm = smeshes[int(rng.integers(2))], dmeshes[int(rng.integers(2))]
+        dt = ("float32", "int16")[int(rng.integers(2))]
+        src[f"t{t}"] = Layout(shape, sm, spec(sm, len(shape)), dt)
+        dst[f"t{t}"] = Layout(shape, dm, spec(dm, len(shape)), dt)
+    return src, dst
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_shared_mesh_pytrees_rows_and_totals_agree(seed):
+    src, dst = _random_model(np.random.default_rng(seed))
+    for balance in (True, False):
+        p = jreshard.plan(src, dst, balance=balance)
+        sent, pairs, moves = {}, set(), 0
+        for tp in p.tensors.values():
+            assert_plan_ok(tp)
+            keys = [(int(d), int(s), tuple(lo)) for s, d, lo in zip(tp.move_src, tp.move_dst, tp.move_lo, strict=True)]
+            assert keys == sorted(keys)  # moves sorted by (dst, src, box)
+            for m, b in zip(tp.moves, tp.move_bytes, strict=True):
+                if not m.is_local:
+                    sent[m.src] = sent.get(m.src, 0) + int(b)
+                    pairs.add((m.src, m.dst))
+                    moves += 1
+        s = p.stats()
+        assert s.network_bytes == s.lower_bound_bytes == sum(sent.values())
+        assert (s.send_bytes, s.messages, s.moves) == (sent, len(pairs), moves)
