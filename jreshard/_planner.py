@@ -830,10 +830,8 @@ def _refine(staged, choice, blk, brow, classes, cls, nbytes, chosen, load, max_r
     """
     rounds = max_rounds if max_rounds is not None else 4 * len(load) + 16
     n = len(blk)
-    cap = n + rounds
-    blk, brow, cls, nbytes, chosen = (np.concatenate([a, np.zeros(cap - n, a.dtype)])
-                                      for a in (blk, brow, cls, nbytes, chosen))
     boxes: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
     def least_loaded_alternative(dev: int):
         mine = np.nonzero(chosen[:n] == dev)[0]
         if not len(mine):
@@ -898,6 +896,10 @@ def _refine(staged, choice, blk, brow, classes, cls, nbytes, chosen, load, max_r
         new_hi[dim] -= k
         boxes[r] = (lo, new_hi)
         boxes[n] = (cut_lo, hi.copy())
+        if n == len(blk):
+            # Room for split-off rows, made on the first split (at most one per round).
+            blk, brow, cls, nbytes, chosen = (np.concatenate([a, np.zeros(rounds, a.dtype)])
+                                              for a in (blk, brow, cls, nbytes, chosen))
         blk[n], brow[n], cls[n], nbytes[n], chosen[n] = blk[r], brow[r], cls[r], per_row * k, best
         nbytes[r] -= per_row * k
         load[top] -= per_row * k
