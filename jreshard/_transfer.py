@@ -18,17 +18,18 @@ How a transfer runs (every process computes the same schedule from the same plan
    source and destination devices (``transport="collective"``, the path that works
    across processes) or by ``jax.device_put`` per buffer (``transport="device_put"``,
    one process only); each receiver runs one *unpack* program that writes the pieces
-   (and its local copies) into its destination shards.
-
-On the CPU backend device buffers are host memory, and ``transport="memcpy"`` copies
-every box straight from the source device's buffer into a new destination buffer
-(one copy per byte, no staging, several threads), which ``jax.device_put`` adopts
-without copying. This is the per-box device-to-device path for CPU; it is what
-``"auto"`` picks there when one process addresses every device (measured in
-``benchmarks/transfer_bench.py``).
+   (and its local copies) into its destination shards. On backends whose device
+   buffers are host memory (CPU), packing and unpacking are NumPy copies into
+   64-byte-aligned buffers that jax adopts without a copy, instead of programs.
 5. *Assembly*: ``jax.make_array_from_single_device_arrays`` with exactly the target
    sharding. A destination shard that is exactly a source shard on the same device,
    with the same dtype, is reused without a copy.
+
+On the CPU backend ``transport="memcpy"`` copies every box straight from the source
+device's buffer into a new destination buffer (one copy per byte, no staging,
+several threads). This is the per-box device-to-device path for CPU, and what
+``"auto"`` picks there when one process addresses every device: it was the fastest
+transport in every run of ``benchmarks/transfer_bench.py`` (see docs/transfer.md).
 
 The schedule and the jitted programs are cached per plan, so a second transfer of
 the same pytree does no tracing.
@@ -411,7 +412,6 @@ class _Executor:
         self.dtypes = list(leaves.dtypes)
         self.src_dtypes = [np.dtype(v.dtype) for v in leaves.values]
         self.shapes = [tuple(int(n) for n in v.shape) for v in leaves.values]
-        self.src_shardings = tuple(v.sharding for v in leaves.values)
         self.transport = transport
         devices = {d.id: d for d in jax.devices()}
         self.devices = devices
@@ -466,7 +466,6 @@ class _Executor:
             for d, pieces in wave.local.items():
                 self._last.update(((p.leaf, d), w) for p in pieces)
         self.waves = [self._programs(w, wave) for w, wave in enumerate(waves)]
-        self.num_rounds = sum(len(w.rounds) for w in waves)
 
     def _copies(self, tplans: list[TensorPlan]) -> list[tuple[int, int, tuple[int, ...], list[tuple]]]:
         """memcpy transport: per (leaf, destination device), the regions to copy from which device."""
