@@ -109,7 +109,7 @@ def worker(args) -> None:
         import jax
         from jax.sharding import NamedSharding, PartitionSpec as P
 
-        from bridge.sender import Sender, flatten_params
+        from bridge.sender import Sender
         from jreshard.nn import fsdp_spec
 
         jax.distributed.initialize(f"127.0.0.1:{args.jax_port}", num_processes=2, process_id=rank,
@@ -141,7 +141,6 @@ def worker(args) -> None:
             tr = _timed(raw_p2p)
             if rep:  # the first repetition warms up (jit compilation, buffers)
                 times["bridge"].append(tb), times["gather"].append(tg), times["raw"].append(tr)
-        flatten_params  # noqa: B018  (the sender's flattening is part of the bridge's time)
     else:
         targets = plan.mapping.for_rank(rank)
         wire = getattr(torch, targets[0].dtype)

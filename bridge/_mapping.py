@@ -118,7 +118,9 @@ class Mapping:
         for t in self.targets:
             for r in t.regions:
                 shape = source.layout(r.source).shape
-                if len(shape) != len(r.box) or any(not 0 <= lo <= hi <= n for (lo, hi), n in zip(r.box, shape, strict=True)):
+                inside = len(shape) == len(r.box) and all(
+                    0 <= lo <= hi <= n for (lo, hi), n in zip(r.box, shape, strict=True))
+                if not inside:
                     raise ValueError(
                         f"target {t.name!r} on rank {t.rank} reads box {r.box} of leaf {r.source!r}, "
                         f"whose shape is {shape}; the box must lie inside it."
@@ -262,7 +264,8 @@ def tp_mapping(source: Source, rules: Sequence[Rule], tp_ranks: Any, *, dtype: A
                 perm = rule.perm(len(shape))
                 tshape = tuple(shape[p] for p in perm)
                 if not 0 <= cat < len(tshape):
-                    raise ValueError(f"Rule {rule.pattern!r}: shard dim {cat} is out of range for torch shape {tshape}.")
+                    raise ValueError(
+                        f"Rule {rule.pattern!r}: shard dim {cat} is out of range for torch shape {tshape}.")
                 rest = tshape[:cat] + tshape[cat + 1:]
                 if other is not None and rest != other:
                     raise ValueError(

@@ -24,7 +24,6 @@ from typing import Any
 import numpy as np
 
 from jreshard import Layout, Mesh, plan_layouts
-from jreshard._layout import itemsize_of
 
 from bridge._mapping import Bounds, Mapping, Target
 from bridge._source import Source, split_source_id
@@ -37,7 +36,7 @@ ALIGN = 64  # bytes; every piece in a message starts aligned, so any dtype view 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Transfer:
-    """Send ``leaf[box]`` from trainer device ``src`` (a source id) into region ``region`` of ``target`` on rank ``dst``."""
+    """Send ``leaf[box]`` from trainer device ``src`` (a source id) to region ``region`` of ``target`` on ``dst``."""
 
     src: int
     dst: int
@@ -54,7 +53,7 @@ class Transfer:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Message:
-    """One contiguous buffer from ``src`` to ``dst`` (torch ranks) in ``bucket``: (transfer index, byte offset) items."""
+    """One contiguous buffer from rank ``src`` to rank ``dst`` in ``bucket``: (transfer index, byte offset) items."""
 
     bucket: int
     src: int
@@ -305,6 +304,3 @@ class BridgePlan:
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
-
-def itemsize(dtype: str) -> int:
-    return itemsize_of(dtype)

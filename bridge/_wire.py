@@ -39,7 +39,8 @@ import torch.distributed as dist
 
 from bridge._plan import BridgePlan, Message
 
-__all__ = ["SyncError", "PlanMismatchError", "init_group", "run_sync", "torch_dtype", "TORCH_DTYPES"]
+__all__ = ["SyncError", "PlanMismatchError", "init_group", "run_sync", "check_plan_and_rank", "torch_dtype",
+           "TORCH_DTYPES"]
 
 log = logging.getLogger("bridge")
 
@@ -82,6 +83,19 @@ def init_group(rank: int, world_size: int, *, port: int, host: str = "127.0.0.1"
     dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout))
     return dist.group.WORLD
+
+
+def check_plan_and_rank(plan: BridgePlan, rank: int | None) -> int:
+    """Validates a Sender's or Receiver's plan; returns ``rank`` (default: this process's global rank)."""
+    if not isinstance(plan, BridgePlan):
+        raise TypeError(f"plan must be a bridge.BridgePlan, got {type(plan).__name__}.")
+    if rank is None:
+        if not dist.is_initialized():
+            raise ValueError("rank is None and torch.distributed is not initialised; pass rank=.")
+        return dist.get_rank()
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"rank must be a non-negative int, got {rank!r}.")
+    return rank
 
 
 def _group_ranks(group: dist.ProcessGroup | None) -> list[int]:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from bridge._mapping import Mapping, dtensor_targets
 from bridge._plan import BridgePlan, Message
 from bridge._source import Source
-from bridge._wire import RECEIVER, SyncError, run_sync, torch_dtype
+from bridge._wire import RECEIVER, SyncError, check_plan_and_rank, run_sync, torch_dtype
 
 __all__ = ["Receiver", "dtensor_mapping"]
 
@@ -80,12 +80,7 @@ class Receiver:
     def __init__(self, plan: BridgePlan, params: MappingABC[str, Any], *, rank: int | None = None,
                  atomic: bool = True, timeout: float = 60.0, ready_timeout: float = 600.0,
                  progress: bool | None = None) -> None:
-        if not isinstance(plan, BridgePlan):
-            raise TypeError(f"plan must be a bridge.BridgePlan, got {type(plan).__name__}.")
-        if rank is None:
-            if not dist.is_initialized():
-                raise ValueError("rank is None and torch.distributed is not initialised; pass rank=.")
-            rank = dist.get_rank()
+        rank = check_plan_and_rank(plan, rank)
         targets = plan.mapping.for_rank(rank)
         if not targets:
             raise ValueError(f"rank {rank} has no targets in the plan (its ranks are {plan.mapping.ranks}).")
@@ -154,7 +149,8 @@ class Receiver:
             into = self.params
             self.consistent = False
         version = run_sync(self.plan, self.rank, group, role=RECEIVER, version=-1, status=0, timeout=self.timeout,
-                           ready_timeout=self.ready_timeout, pack=_no_pack, unpack=lambda m, buf: self._unpack(into, m, buf), progress=self.progress,
+                           ready_timeout=self.ready_timeout, pack=_no_pack,
+                           unpack=lambda m, buf: self._unpack(into, m, buf), progress=self.progress,
                            device=next(iter(self.params.values())).device)
         if self.atomic:
             with torch.no_grad():

@@ -28,7 +28,7 @@ from jreshard import Layout, Mesh
 
 from bridge._plan import BridgePlan, Message
 from bridge._source import Source, source_id
-from bridge._wire import SENDER, SyncError, run_sync, torch_dtype
+from bridge._wire import SENDER, SyncError, check_plan_and_rank, run_sync, torch_dtype
 
 __all__ = ["Sender", "describe", "flatten_params"]
 
@@ -100,12 +100,7 @@ class Sender:
 
     def __init__(self, plan: BridgePlan, *, rank: int | None = None, timeout: float = 60.0,
                  ready_timeout: float = 600.0, progress: bool | None = None) -> None:
-        if not isinstance(plan, BridgePlan):
-            raise TypeError(f"plan must be a bridge.BridgePlan, got {type(plan).__name__}.")
-        if rank is None:
-            if not dist.is_initialized():
-                raise ValueError("rank is None and torch.distributed is not initialised; pass rank=.")
-            rank = dist.get_rank()
+        rank = check_plan_and_rank(plan, rank)
         if rank not in plan.source.ranks:
             raise ValueError(f"rank {rank} holds no trainer shards in the plan (trainer ranks {plan.source.ranks}).")
         self.plan, self.rank, self.progress = plan, rank, progress

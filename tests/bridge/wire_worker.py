@@ -103,6 +103,7 @@ def main() -> None:
         events["jax_imported"] = "jax" in sys.modules
     with open(os.path.join(args.out, f"wire{args.rank}.json"), "w") as f:
         json.dump(events, f)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

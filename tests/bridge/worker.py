@@ -80,7 +80,6 @@ def plans(config, **kw) -> dict[str, bridge.BridgePlan]:
 # --------------------------------------------------------------------------- trainers
 def trainer(rank: int, args) -> None:
     import jax
-    import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from bridge.sender import Sender, describe
@@ -120,6 +119,9 @@ def trainer(rank: int, args) -> None:
 
     if args.restart:
         run("restart", put(C.make_arrays(C.small_config(), seed=3)), version=8)
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
         jax.distributed.shutdown()
         return
     run("fused_f32", small, 1)
@@ -211,7 +213,8 @@ def receiver(rank: int, args) -> None:
     # DTensors over a DeviceMesh of the two receivers; the DeviceMesh needs no process group here.
     mesh = DeviceMesh("cpu", torch.tensor(list(C.RECEIVERS)), _init_backend=False, _rank=rank)
     locals_ = zeros(all_plans["dtensor"])
-    place = {"q.weight": [Shard(0)], "down.weight": [Shard(1)], "embed.weight": [Replicate()], "norm.weight": [Shard(0)]}
+    place = {"q.weight": [Shard(0)], "down.weight": [Shard(1)], "embed.weight": [Replicate()],
+             "norm.weight": [Shard(0)]}
     dts = {n: DTensor.from_local(locals_[n], mesh, place[n], run_check=False) for n in locals_}
     s_small = source_for(C.small_config())
     leaves = {"q.weight": ("layers_0/attn/q_proj/kernel", True), "down.weight": ("layers_1/mlp/down_proj/kernel", True),
@@ -243,6 +246,7 @@ def receiver(rank: int, args) -> None:
     dist.destroy_process_group()
     bridge.init_group(rank, C.WORLD, port=args.port2, timeout=120)
     run("restart", rec, params)
+    dist.destroy_process_group()
 
 
 def main() -> None:
