@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from bridge._plan import BridgePlan, Message
 
-__all__ = ["SyncError", "PlanMismatchError", "init_group", "run_sync", "check_plan_and_rank", "torch_dtype",
+__all__ = ["SyncError", "PlanMismatchError", "init_group", "run_sync", "check_plan_and_rank", "new_arena", "torch_dtype",
            "TORCH_DTYPES"]
 
 log = logging.getLogger("bridge")
@@ -83,6 +83,11 @@ def init_group(rank: int, world_size: int, *, port: int, host: str = "127.0.0.1"
     dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout))
     return dist.group.WORLD
+
+
+def new_arena() -> list:
+    """Empty staging slots: two parities (double buffering) for sending and for receiving."""
+    return [[None, None], [None, None]]
 
 
 def check_plan_and_rank(plan: BridgePlan, rank: int | None) -> int:
@@ -170,10 +175,11 @@ def _progress(enabled: bool | None, total: int, rank: int):
 def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, status: int, timeout: float,
              ready_timeout: float, pack: Callable[[Message, torch.Tensor], None],
              unpack: Callable[[Message, torch.Tensor], None], progress: bool | None = None,
-             device: torch.device | str = "cpu") -> int:
+             device: torch.device | str = "cpu", arena: list | None = None) -> int:
     """Runs the protocol for one rank; returns the agreed version. Raises SyncError on any failure.
 
-    Staging buffers live on ``device`` (the parameters' device: CUDA with NCCL, CPU with gloo).
+    Staging buffers live on ``device`` (the parameters' device: CUDA with NCCL, CPU with gloo);
+    pass the same ``arena`` (``[[None, None], [None, None]]``) to every sync to reuse them.
     """
     ranks = _group_ranks(group)
     if rank not in ranks:
@@ -186,12 +192,13 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
         )
     start = time.perf_counter()
     version = _handshake(plan, rank, ranks, group, role, status, version, ready_timeout)
-    arena = [[None, None], [None, None]]  # [send|recv][parity] uint8 buffers of bucket_bytes
+    if arena is None:
+        arena = new_arena()  # [send|recv][parity] uint8 buffers of up to bucket_bytes
 
     def buffers(kind: int, b: int, msgs: list[Message]) -> list[torch.Tensor]:
         total = sum(m.nbytes for m in msgs)
         buf = arena[kind][b % 2]
-        if buf is None or buf.numel() < total:
+        if buf is None or buf.numel() < total or buf.device != torch.device(device):
             buf = arena[kind][b % 2] = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
         out, off = [], 0
         for m in msgs:

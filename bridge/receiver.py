@@ -21,7 +21,7 @@ import torch.distributed as dist
 from bridge._mapping import Mapping, dtensor_targets
 from bridge._plan import BridgePlan, Message
 from bridge._source import Source
-from bridge._wire import RECEIVER, SyncError, check_plan_and_rank, run_sync, torch_dtype
+from bridge._wire import RECEIVER, SyncError, check_plan_and_rank, new_arena, run_sync, torch_dtype
 
 __all__ = ["Receiver", "dtensor_mapping"]
 
@@ -108,6 +108,7 @@ class Receiver:
         self.version: int | None = None
         self.consistent = True
         self._shadow: dict[str, torch.Tensor] | None = None
+        self._arena = new_arena()
         # Targets the sync writes only partly (padded rows): the shadow must start as a copy.
         covered = {t.name: sum(_volume(r.shape) for r in t.regions) for t in targets}
         self._partial = {t.name for t in targets if covered[t.name] < _volume(t.shape)}
@@ -151,7 +152,7 @@ class Receiver:
         version = run_sync(self.plan, self.rank, group, role=RECEIVER, version=-1, status=0, timeout=self.timeout,
                            ready_timeout=self.ready_timeout, pack=_no_pack,
                            unpack=lambda m, buf: self._unpack(into, m, buf), progress=self.progress,
-                           device=next(iter(self.params.values())).device)
+                           device=next(iter(self.params.values())).device, arena=self._arena)
         if self.atomic:
             with torch.no_grad():
                 for name, dst in self.params.items():
@@ -161,8 +162,9 @@ class Receiver:
         return version
 
     def release_staging(self) -> None:
-        """Frees the shadow copy (it is rebuilt on the next atomic sync)."""
+        """Frees the shadow copy and the bucket buffers (rebuilt on the next sync)."""
         self._shadow = None
+        self._arena = new_arena()
 
 
 def _volume(shape: tuple[int, ...]) -> int:

@@ -28,7 +28,7 @@ from jreshard import Layout, Mesh
 
 from bridge._plan import BridgePlan, Message
 from bridge._source import Source, source_id
-from bridge._wire import SENDER, SyncError, check_plan_and_rank, run_sync, torch_dtype
+from bridge._wire import SENDER, SyncError, check_plan_and_rank, new_arena, run_sync, torch_dtype
 
 __all__ = ["Sender", "describe", "flatten_params"]
 
@@ -128,6 +128,7 @@ class Sender:
         for key, where in last_use.items():
             self._release.setdefault(where, []).append(key)
         self._transposes: dict[tuple, Any] = {}
+        self._arena = new_arena()  # bucket buffers, reused across syncs
 
     def _shards(self, params: Any) -> dict[tuple[str, int], Any]:
         """This process's single-device shards, keyed by (leaf path, source id); checks their layouts."""
@@ -213,7 +214,8 @@ class Sender:
         cache: dict = {}
         return run_sync(self.plan, self.rank, group, role=SENDER, version=version, status=0, timeout=self.timeout,
                         ready_timeout=self.ready_timeout, pack=lambda m, buf: self._pack(shards, cache, m, buf),
-                        unpack=_no_unpack, progress=self.progress, device=_torch_device(shards))
+                        unpack=_no_unpack, progress=self.progress, device=_torch_device(shards),
+                        arena=self._arena)
 
 
 def _torch_device(shards: dict) -> torch.device:

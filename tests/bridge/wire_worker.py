@@ -95,7 +95,7 @@ def main() -> None:
                                "unchanged": all(torch.equal(before[k], params[k]) for k in params)}
         dist.destroy_process_group()
         bridge.init_group(1, 2, port=args.port2, timeout=30)
-        inplace = bridge.Receiver(plan, params, rank=1, atomic=False, timeout=10)
+        inplace = bridge.Receiver(plan, params, rank=1, atomic=False, timeout=10, progress=True)
         events["inplace"] = {"version": inplace.sync(), "consistent": inplace.consistent}
         want = plan.reference({k: v * 2 for k, v in arrays.items()})[1]
         events["inplace"]["exact"] = all(
