@@ -39,8 +39,8 @@ import torch.distributed as dist
 
 from bridge._plan import BridgePlan, Message
 
-__all__ = ["SyncError", "PlanMismatchError", "init_group", "run_sync", "check_plan_and_rank", "new_arena", "torch_dtype",
-           "TORCH_DTYPES"]
+__all__ = ["SyncError", "PlanMismatchError", "init_group", "run_sync", "check_plan_and_rank", "new_arena",
+           "torch_dtype", "TORCH_DTYPES"]
 
 log = logging.getLogger("bridge")
 
