@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import random
 
 import jax
@@ -115,7 +116,12 @@ def cases(draw):
     return src_mesh, dst_mesh, leaves, transport, cap, draw(st.integers(0, 2**31))
 
 
-@settings(max_examples=24, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+# A fixed small number of examples in CI (every example compiles programs); the
+# "thorough" profile (JRESHARD_HYPOTHESIS_PROFILE=thorough) runs the profile's count.
+SWEEP_EXAMPLES = 24 if os.environ.get("JRESHARD_HYPOTHESIS_PROFILE", "ci") == "ci" else settings().max_examples
+
+
+@settings(max_examples=SWEEP_EXAMPLES, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_sweep_bit_exact_against_oracle(case):
     src_mesh, dst_mesh, leaves, transport, cap, seed = case
