@@ -46,14 +46,19 @@ __all__ = [
 # Names served by optional layers, imported on first use so that `import jreshard`
 # works on machines without jax (a torch-only inference server plans with it too).
 _LAZY: dict[str, str] = {"transfer": "jreshard._transfer", "release_transfer_buffers": "jreshard._transfer"}
+# Submodules reachable as attributes (`jreshard.cost.predict(...)`) without importing
+# them up front: `viz` needs matplotlib, `nn` flax, the rest only the planner.
+_SUBMODULES = frozenset({"catalog", "cost", "nn", "presets", "scenario", "viz"})
 
 
 def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name in _SUBMODULES:
+        return importlib.import_module(f"jreshard.{name}")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'jreshard' has no attribute {name!r}")
-    import importlib
-
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

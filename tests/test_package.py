@@ -67,3 +67,18 @@ def test_readme_examples():
     result = doctest.testfile(str(readme), module_relative=False, optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
     assert result.attempted > 0
     assert result.failed == 0
+
+
+def test_submodules_load_on_first_use():
+    code = BLOCKER + textwrap.dedent(
+        """
+        import sys, jreshard
+        assert 'jreshard.cost' not in sys.modules
+        assert jreshard.cost.predict is not None and jreshard.catalog.num_params is not None
+        assert 'matplotlib' not in sys.modules
+        print('ok')
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("ok")
