@@ -30,7 +30,7 @@ from bridge._source import Source, split_source_id
 
 __all__ = ["Transfer", "Message", "BridgePlan", "FORMAT_VERSION", "ALIGN"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 ALIGN = 64  # bytes; every piece in a message starts aligned, so any dtype view is valid
 
 
@@ -174,6 +174,7 @@ class BridgePlan:
         self.plan = plan_layouts([(j.name, j.src, j.dst) for j in self.jobs], balance=balance)
         self.transfers = self._transfers()
         self.messages, self.num_buckets = self._bucket()
+        self._segments: dict[Message, tuple] = {}
         self.fingerprint = self._fingerprint()
         self._index: tuple[dict, dict] = (defaultdict(list), defaultdict(list))
         for m in self.messages:
@@ -256,6 +257,39 @@ class BridgePlan:
         """The messages ``rank`` receives in ``bucket``, in plan order."""
         return self._index[1].get((rank, bucket), [])
 
+    def segments(self, m: Message) -> tuple[tuple[int, int, int, bool, bool], ...]:
+        """How message ``m`` travels: one point-to-point operation per segment, in order.
+
+        Each segment is ``(start, stop, item, src_direct, dst_direct)``: bytes ``[start, stop)``
+        of the message buffer. A piece that is contiguous in the sender's (cast, transposed)
+        shard (``src_direct``) or in the receiver's target (``dst_direct``) is a segment of its
+        own (``item`` is its index in ``m.items``) and skips the packing on that side; the
+        other pieces are packed together, runs of them forming one segment (``item == -1``).
+        Both sides derive the same segments from the plan.
+        """
+        hit = self._segments.get(m)
+        if hit is not None:
+            return hit
+        out: list[tuple[int, int, int, bool, bool]] = []
+        run: list[int] | None = None
+        for k, (i, off) in enumerate(m.items):
+            t = self.transfers[i]
+            box, perm = self.dst_region(t)
+            region = self.src_region(t)
+            shard = self.source.layout(t.source).shard_box(t.src)
+            src_direct = _contiguous([region[p] for p in perm], [shard[p].stop - shard[p].start for p in perm])
+            dst_direct = _contiguous(box, self.target(t.target, t.dst).shape)
+            if src_direct or dst_direct:
+                run = None
+                out.append((off, off + t.nbytes, k, src_direct, dst_direct))
+            elif run is not None:
+                run[1] = off + t.nbytes
+            else:
+                run = [off, off + t.nbytes, -1, False, False]
+                out.append(run)  # type: ignore[arg-type]
+        hit = self._segments[m] = tuple(tuple(x) for x in out)  # type: ignore[misc]
+        return hit
+
     def src_region(self, t: Transfer) -> tuple[slice, ...]:
         """The transfer's box in the coordinates of its source device's shard."""
         shard = self.source.layout(t.source).shard_box(t.src)
@@ -299,6 +333,15 @@ class BridgePlan:
         return (f"BridgePlan({len(self.source)} leaves -> {len(self.mapping)} targets, {len(self.transfers)} "
                 f"transfers, {self.network_bytes:,} B in {self.num_buckets} buckets, "
                 f"fingerprint {self.fingerprint.hex()[:12]})")
+
+
+def _contiguous(box: Any, shape: Any) -> bool:
+    """Whether ``box`` (slices) is one contiguous block of a C-contiguous array of ``shape``."""
+    ext = [sl.stop - sl.start for sl in box]
+    i = 0
+    while i < len(ext) - 1 and ext[i] == 1:
+        i += 1
+    return all(ext[j] == shape[j] for j in range(i + 1, len(ext)))
 
 
 def _aligned(n: int) -> int:

@@ -6,12 +6,15 @@ Protocol of one sync, every rank of the group taking part:
    status, version, the plan's 32-byte fingerprint). A rank whose own checks
    failed sends a non-zero status; fingerprints or versions that differ raise
    ``PlanMismatchError`` on every rank before any data moves.
-2. Buckets: per bucket every rank posts one ``batch_isend_irecv`` with one
-   contiguous uint8 buffer per peer; each piece starts at a 64-byte-aligned
-   offset and is laid out C-contiguous in the torch parameter's dim order
-   (the sender transposes, the receiver only copies blocks). Buffers come from two arenas per side, so
-   the sender packs bucket b+1 while bucket b is on the wire and the receiver
-   unpacks bucket b while bucket b+1 arrives.
+2. Buckets: per bucket every rank posts one ``batch_isend_irecv``: per peer, one
+   operation per segment of the message (``BridgePlan.segments``). Each piece starts
+   at a 64-byte-aligned offset of the message and is laid out C-contiguous in the
+   torch parameter's dim order (the sender casts and transposes, the receiver only
+   copies blocks). A piece contiguous in the sender's cast/transposed shard is sent
+   from there; a piece contiguous in the receiver's target is received straight into
+   it; the other pieces travel packed, runs of them as one operation. Bucket buffers
+   come from two arenas per side, so the sender packs bucket b+1 while bucket b is on
+   the wire and the receiver unpacks bucket b while bucket b+1 arrives.
 3. Ack: one ``all_reduce(MIN)`` of an ok flag; receivers commit only when every
    rank got everything. Every wait is bounded by ``timeout``.
 
@@ -173,11 +176,15 @@ def _progress(enabled: bool | None, total: int, rank: int):
 
 
 def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, status: int, timeout: float,
-             ready_timeout: float, pack: Callable[[Message, torch.Tensor], None],
+             ready_timeout: float, pack: Callable[[Message, torch.Tensor], list[torch.Tensor]],
+             recv: Callable[[Message, torch.Tensor], list[torch.Tensor]],
              unpack: Callable[[Message, torch.Tensor], None], progress: bool | None = None,
              device: torch.device | str = "cpu", arena: list | None = None) -> int:
     """Runs the protocol for one rank; returns the agreed version. Raises SyncError on any failure.
 
+    Per message, ``pack(m, buf)`` returns the tensors to send, one per segment of
+    ``plan.segments(m)`` (packing the others into ``buf``), ``recv(m, buf)`` the tensors
+    to receive into, one per segment, and ``unpack(m, buf)`` runs once they arrived.
     Staging buffers live on ``device`` (the parameters' device: CUDA with NCCL, CPU with gloo);
     pass the same ``arena`` (``[[None, None], [None, None]]``) to every sync to reuse them.
     """
@@ -208,15 +215,16 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
 
     def prepare(b: int):
         sends, recvs = plan.sends(rank, b), plan.recvs(rank, b)
-        sbufs = buffers(0, b, sends)
-        for m, buf in zip(sends, sbufs, strict=True):
-            pack(m, buf)
-        return sends, sbufs, recvs, buffers(1, b, recvs)
+        ops = []
+        for m, buf in zip(sends, buffers(0, b, sends), strict=True):
+            ops += [(dist.isend, m.dst, x) for x in pack(m, buf)]
+        rbufs = buffers(1, b, recvs)
+        for m, buf in zip(recvs, rbufs, strict=True):
+            ops += [(dist.irecv, m.src, x) for x in recv(m, buf)]
+        return ops, recvs, rbufs
 
     def post(state, b: int):
-        sends, sbufs, recvs, rbufs = state
-        ops = [dist.P2POp(dist.isend, buf, m.dst, group) for m, buf in zip(sends, sbufs, strict=True)]
-        ops += [dist.P2POp(dist.irecv, buf, m.src, group) for m, buf in zip(recvs, rbufs, strict=True)]
+        ops = [dist.P2POp(op, buf, peer, group) for op, peer, buf in state[0]]
         try:
             return dist.batch_isend_irecv(ops) if ops else []
         except RuntimeError as e:  # gloo fails at once when a peer's connection is already closed
@@ -230,14 +238,13 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
         works = post(state, 0) if nb else []
         for b in range(nb):
             nxt = prepare(b + 1) if b + 1 < nb else None
-            peers = [m.dst for m in state[0]] + [m.src for m in state[2]]
-            for w, peer in zip(works, peers, strict=True):
+            for w, (_, peer, _) in zip(works, state[0], strict=True):
                 _wait(w, timeout, f"bucket {b + 1}/{nb} with peer rank {peer}", rank)
             works = post(nxt, b + 1) if nxt is not None else []
-            for m, buf in zip(state[2], state[3], strict=True):
+            for m, buf in zip(state[1], state[2], strict=True):
                 unpack(m, buf)
             if bar is not None:
-                bar.update(sum(m.nbytes for m in state[0] + state[2]))
+                bar.update(sum(x.numel() * x.element_size() for _, _, x in state[0]))
             state = nxt
         ok = True
     finally:

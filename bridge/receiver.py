@@ -28,15 +28,18 @@ __all__ = ["Receiver", "dtensor_mapping"]
 log = logging.getLogger("bridge")
 
 
-def _local(t: Any) -> torch.Tensor:
-    """The tensor to write: a DTensor's local shard, a Parameter's data, or the tensor itself."""
+def _owner(t: Any) -> torch.Tensor:
+    """The tensor object whose storage holds the weights: a DTensor's local shard, else the tensor itself."""
     if hasattr(t, "to_local") and hasattr(t, "placements"):
         t = t._local_tensor  # to_local() may return a new autograd view; write the storage itself
-    if isinstance(t, torch.nn.Parameter):
-        t = t.data
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, Parameter or DTensor, got {type(t).__name__}.")
     return t
+
+
+def _local(t: Any) -> torch.Tensor:
+    """The tensor to write: a DTensor's local shard, a Parameter's data, or the tensor itself."""
+    return _owner(t).data
 
 
 def dtensor_mapping(source: Source, params: MappingABC[str, tuple[Any, str, Any]]) -> Mapping:
@@ -64,10 +67,15 @@ class Receiver:
       params: this rank's parameters by torch name (tensors, Parameters or DTensors); every
         target of this rank must be present with its local shape and dtype.
       rank: this process's global torch rank (default: ``torch.distributed.get_rank()``).
-      atomic: receive into a shadow copy of the targets and commit (copy into the parameters)
-        only when every rank got everything; ``False`` writes in place as buckets arrive
-        (no extra memory, but a failed sync leaves a mix of old and new weights and
-        ``consistent`` becomes False until the next successful sync).
+      atomic: receive into a shadow copy of the targets and commit only when every rank got
+        everything; ``False`` writes in place as buckets arrive (no extra memory, but a failed
+        sync leaves a mix of old and new weights and ``consistent`` becomes False until the
+        next successful sync).
+      swap: how an atomic sync commits. ``False``: the shadow is copied into the parameters,
+        which keep their storage, so views and pointers an engine captured (CUDA graphs) stay
+        valid. ``True``: no copy; the same tensor, Parameter and DTensor objects are given the
+        shadow's storage and the old storage becomes the next shadow, so views taken before
+        the sync (``to_local()`` results, slices, captured pointers) keep the old weights.
       timeout: seconds any single wait for data may take before the sync fails.
       ready_timeout: seconds to wait for every rank to join a sync (the handshake; also bounded
         by the process group's timeout).
@@ -78,13 +86,13 @@ class Receiver:
     """
 
     def __init__(self, plan: BridgePlan, params: MappingABC[str, Any], *, rank: int | None = None,
-                 atomic: bool = True, timeout: float = 60.0, ready_timeout: float = 600.0,
+                 atomic: bool = True, swap: bool = False, timeout: float = 60.0, ready_timeout: float = 600.0,
                  progress: bool | None = None) -> None:
         rank = check_plan_and_rank(plan, rank)
         targets = plan.mapping.for_rank(rank)
         if not targets:
             raise ValueError(f"rank {rank} has no targets in the plan (its ranks are {plan.mapping.ranks}).")
-        tensors = {}
+        tensors, owners = {}, {}
         for t in targets:
             if t.name not in params:
                 raise ValueError(
@@ -102,9 +110,12 @@ class Receiver:
             if not local.is_contiguous():
                 raise ValueError(f"params[{t.name!r}] must be contiguous.")
             tensors[t.name] = local
+            owners[t.name] = _owner(params[t.name])
         self.plan, self.rank, self.atomic, self.progress = plan, rank, atomic, progress
         self.timeout, self.ready_timeout = timeout, ready_timeout
         self.params = tensors
+        self._owners = owners
+        self.swap = swap
         self.version: int | None = None
         self.consistent = True
         self._shadow: dict[str, torch.Tensor] | None = None
@@ -112,10 +123,11 @@ class Receiver:
         # Targets the sync writes only partly (padded rows): the shadow must start as a copy.
         covered = {t.name: sum(_volume(r.shape) for r in t.regions) for t in targets}
         self._partial = {t.name for t in targets if covered[t.name] < _volume(t.shape)}
-        self._unpack_plan = self._compile()
+        self._plan_for = self._compile()
 
-    def _compile(self) -> dict[tuple[int, int], list[tuple]]:
-        out: dict[tuple[int, int], list[tuple]] = {}
+    def _compile(self) -> dict[tuple[int, int], tuple[list[tuple], list[tuple]]]:
+        """Per message: (one receive per segment, the pieces to unpack from the bucket buffer)."""
+        out: dict[tuple[int, int], tuple[list[tuple], list[tuple]]] = {}
         for m in self.plan.messages:
             if m.dst != self.rank:
                 continue
@@ -125,11 +137,23 @@ class Receiver:
                 box, _ = self.plan.dst_region(t)  # pieces arrive in torch dim order
                 dtype = torch_dtype(self.plan.target(t.target, t.dst).dtype)
                 steps.append((t.target, box, off, t.nbytes, tuple(s.stop - s.start for s in box), dtype))
-            out[(m.bucket, m.src)] = steps
+            recvs, unpacks, direct = [], [], set()
+            for start, stop, k, _, dst_direct in self.plan.segments(m):
+                if dst_direct:  # straight into the target: no unpacking
+                    direct.add(k)
+                    recvs.append((steps[k][0], steps[k][1], 0, 0))
+                else:
+                    recvs.append((None, None, start, stop))
+            unpacks = [s for k, s in enumerate(steps) if k not in direct]
+            out[(m.bucket, m.src)] = (recvs, unpacks)
         return out
 
+    def _recv(self, into: dict[str, torch.Tensor], m: Message, buf: torch.Tensor) -> list[torch.Tensor]:
+        return [buf[start:stop] if name is None else into[name][box].view(-1).view(torch.uint8)
+                for name, box, start, stop in self._plan_for[(m.bucket, m.src)][0]]
+
     def _unpack(self, into: dict[str, torch.Tensor], m: Message, buf: torch.Tensor) -> None:
-        for name, box, off, n, shape, dtype in self._unpack_plan[(m.bucket, m.src)]:
+        for name, box, off, n, shape, dtype in self._plan_for[(m.bucket, m.src)][1]:
             into[name][box].copy_(buf[off:off + n].view(dtype).view(shape))
 
     def sync(self, group: dist.ProcessGroup | None = None) -> int:
@@ -151,12 +175,18 @@ class Receiver:
             self.consistent = False
         version = run_sync(self.plan, self.rank, group, role=RECEIVER, version=-1, status=0, timeout=self.timeout,
                            ready_timeout=self.ready_timeout, pack=_no_pack,
-                           unpack=lambda m, buf: self._unpack(into, m, buf), progress=self.progress,
+                           recv=lambda m, buf: self._recv(into, m, buf), unpack=lambda m, buf: self._unpack(into, m, buf), progress=self.progress,
                            device=next(iter(self.params.values())).device, arena=self._arena)
         if self.atomic:
             with torch.no_grad():
-                for name, dst in self.params.items():
-                    dst.copy_(self._shadow[name])
+                for name, dst in list(self.params.items()):
+                    if self.swap:
+                        # The same tensor objects now hold the staging storage; the old storage
+                        # becomes the next sync's staging (no copy).
+                        self._owners[name].data = self._shadow[name]
+                        self.params[name], self._shadow[name] = self._shadow[name], dst
+                    else:
+                        dst.copy_(self._shadow[name])
         self.consistent = True
         self.version = version
         return version
@@ -174,5 +204,5 @@ def _volume(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _no_pack(m: Message, buf: torch.Tensor) -> None:
+def _no_pack(m: Message, buf: torch.Tensor) -> list[torch.Tensor]:
     raise SyncError(f"a receiver was asked to send (message {m}); the plan is inconsistent.")

@@ -105,25 +105,37 @@ class Sender:
             raise ValueError(f"rank {rank} holds no trainer shards in the plan (trainer ranks {plan.source.ranks}).")
         self.plan, self.rank, self.progress = plan, rank, progress
         self.timeout, self.ready_timeout = timeout, ready_timeout
-        # Pieces travel in torch dim order: a transposed leaf is transposed once per shard by XLA
-        # (much faster than a strided copy on the CPU), then every piece is a block copy + cast.
+        # Pieces travel in torch dim order. A piece that is contiguous in its shard once cast and
+        # transposed is sent from there without packing: XLA casts and transposes the shard once
+        # (much faster than a strided copy on the CPU). Other pieces are block copies (+ cast) into
+        # the bucket buffer.
         steps: dict[tuple[int, int], list[tuple]] = {}
         last_use: dict[tuple, tuple[int, int]] = {}
         for m in plan.messages:
             if m.src != rank:
                 continue
             out = []
-            for i, off in m.items:
-                t = plan.transfers[i]
-                _, perm = plan.dst_region(t)
-                region = plan.src_region(t)
-                dtype = plan.target(t.target, t.dst).dtype
-                identity = perm == tuple(range(len(perm)))
-                key = (t.source, t.src, perm, None if identity else dtype)
-                out.append((key, tuple(region[p] for p in perm), off, t.nbytes, torch_dtype(dtype)))
-                last_use[key] = (m.bucket, m.dst)
+            for (start, stop, k, src_direct, _), item in zip(plan.segments(m), _segment_items(m, plan), strict=True):
+                pieces = []
+                for i, off in item:
+                    t = plan.transfers[i]
+                    _, perm = plan.dst_region(t)
+                    region = plan.src_region(t)
+                    dtype = plan.target(t.target, t.dst).dtype
+                    identity = perm == tuple(range(len(perm)))
+                    xla = not identity or (src_direct and dtype != plan.source.layout(t.source).dtype)
+                    key = (t.source, t.src, perm, dtype if xla else None)
+                    pieces.append((key, tuple(region[p] for p in perm), off, t.nbytes, torch_dtype(dtype)))
+                    last_use[key] = (m.bucket, m.dst)
+                out.append((start, stop, src_direct, pieces))
             steps[(m.bucket, m.dst)] = out
         self._pack_plan = steps
+        self._xla_keys: dict[int, list[tuple]] = {}  # per bucket, the shards XLA casts or transposes
+        for (b, _), segs in steps.items():
+            for *_, pieces in segs:
+                for key, *_ in pieces:
+                    if key[3] is not None and key not in self._xla_keys.setdefault(b, []):
+                        self._xla_keys[b].append(key)
         self._release: dict[tuple[int, int], list[tuple]] = {}
         for key, where in last_use.items():
             self._release.setdefault(where, []).append(key)
@@ -162,31 +174,44 @@ class Sender:
                 out[(path, dev)] = shard.data
         return out
 
-    def _view(self, shards: dict, cache: dict, key: tuple) -> torch.Tensor:
-        hit = cache.get(key)
-        if hit is None:
-            path, dev, perm, dtype = key
-            x = shards[(path, dev)]
-            if dtype is None:  # no transpose: a zero-copy view, cast by copy_ while packing
-                hit = torch.from_dlpack(x)
-            else:  # XLA casts then transposes the shard in one pass (fastest on CPU and GPU)
+    def _dispatch(self, shards: dict, cache: dict, bucket: int) -> None:
+        """Starts XLA's cast/transpose of the shards ``bucket`` reads (asynchronous: XLA computes them
+        while this thread posts and waits for the previous bucket's sends)."""
+        for key in self._xla_keys.get(bucket, ()):
+            if key not in cache:
+                path, dev, perm, dtype = key
                 fn = self._transposes.get((perm, dtype))
                 if fn is None:
                     import jax.numpy as jnp
 
                     fn = jax_jit(lambda a, perm=perm, dtype=dtype: jnp.transpose(a.astype(dtype), perm))
                     self._transposes[(perm, dtype)] = fn
-                hit = torch.from_dlpack(fn(x))
-            cache[key] = hit
+                cache[key] = fn(shards[(path, dev)])
+
+    def _view(self, shards: dict, cache: dict, key: tuple) -> torch.Tensor:
+        hit = cache.get(key)
+        if hit is None:  # no transpose: a zero-copy view, cast by copy_ while packing
+            hit = cache[key] = torch.from_dlpack(shards[key[:2]])
+        elif not isinstance(hit, torch.Tensor):  # XLA's result (cast then transposed in one pass)
+            hit = cache[key] = torch.from_dlpack(hit)
         return hit
 
-    def _pack(self, shards: dict, cache: dict, m: Message, buf: torch.Tensor) -> None:
-        for key, region, off, n, dtype in self._pack_plan[(m.bucket, m.dst)]:
-            src = self._view(shards, cache, key)[region]
-            # copy_ casts while packing, so only the target dtype's bytes cross the wire.
-            buf[off:off + n].view(dtype).view(src.shape).copy_(src)
+    def _pack(self, shards: dict, cache: dict, m: Message, buf: torch.Tensor) -> list[torch.Tensor]:
+        self._dispatch(shards, cache, m.bucket)
+        self._dispatch(shards, cache, m.bucket + 1)  # computed while this bucket is on the wire
+        sends = []
+        for start, stop, direct, pieces in self._pack_plan[(m.bucket, m.dst)]:
+            for key, region, off, n, dtype in pieces:
+                src = self._view(shards, cache, key)[region]
+                if direct:  # already cast and contiguous: sent as it is (the list keeps it alive)
+                    sends.append((src if src.is_contiguous() else src.contiguous()).view(-1).view(torch.uint8))
+                else:  # copy_ casts while packing, so only the target dtype's bytes cross the wire
+                    buf[off:off + n].view(dtype).view(src.shape).copy_(src)
+            if not direct:
+                sends.append(buf[start:stop])
         for key in self._release.get((m.bucket, m.dst), ()):
-            cache.pop(key, None)  # a transposed shard lives only until its last piece is packed
+            cache.pop(key, None)  # a transposed shard lives only until its last piece is sent
+        return sends
 
     def sync(self, params: Any, version: int, group: dist.ProcessGroup | None = None) -> int:
         """Sends one sync of ``params`` tagged ``version`` (the training step); returns it.
@@ -207,14 +232,14 @@ class Sender:
             try:
                 run_sync(self.plan, self.rank, group, role=SENDER, version=version, status=status,
                          timeout=self.timeout, ready_timeout=self.ready_timeout,
-                         pack=lambda m, b: None, unpack=lambda m, b: None)
+                         pack=lambda m, b: [], recv=lambda m, b: [], unpack=lambda m, b: None)
             except SyncError:
                 pass
             raise error
         cache: dict = {}
         return run_sync(self.plan, self.rank, group, role=SENDER, version=version, status=0, timeout=self.timeout,
                         ready_timeout=self.ready_timeout, pack=lambda m, buf: self._pack(shards, cache, m, buf),
-                        unpack=_no_unpack, progress=self.progress, device=_torch_device(shards),
+                        recv=_no_unpack, unpack=_no_unpack, progress=self.progress, device=_torch_device(shards),
                         arena=self._arena)
 
 
@@ -225,11 +250,19 @@ def _torch_device(shards: dict) -> torch.device:
     return torch.device("cpu")
 
 
+def _segment_items(m: Message, plan: BridgePlan) -> list[list[tuple[int, int]]]:
+    """The message's (transfer index, offset) items grouped by segment (``plan.segments(m)``)."""
+    out = []
+    for start, stop, k, _, _ in plan.segments(m):
+        out.append([m.items[k]] if k >= 0 else [(i, off) for i, off in m.items if start <= off < stop])
+    return out
+
+
 def jax_jit(fn):
     import jax
 
     return jax.jit(fn)
 
 
-def _no_unpack(m: Message, buf: torch.Tensor) -> None:
+def _no_unpack(m: Message, buf: torch.Tensor) -> Any:
     raise SyncError(f"a sender was asked to receive (message {m}); the plan is inconsistent.")

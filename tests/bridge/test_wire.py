@@ -1,4 +1,4 @@
-"""The wire protocol on its own (torch only, two processes): success, a stalled peer, in-place sync."""
+"""The wire protocol on its own (torch only, two processes): success (swap commit), a stalled peer, in-place sync."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def events(tmp_path_factory):
 
 
 def test_sync_is_exact_and_versioned(events):
-    assert events[1]["ok"] == {"version": 1, "exact": True}
+    assert events[1]["ok"] == {"version": 1, "exact": True, "swapped": True}
     assert events[0]["buckets"] > 1  # several buckets: the double-buffered path runs
     assert events[1]["jax_imported"] is False
 

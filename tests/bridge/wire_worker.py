@@ -3,7 +3,7 @@
 Rank 0 drives ``bridge._wire.run_sync`` directly with a NumPy-backed pack (standing in for the
 JAX Sender), so the protocol's failure handling is tested in seconds. Phases:
 
-  ok       a sync succeeds, bit-exact
+  ok       a sync succeeds, bit-exact, committed by swapping storage (swap=True)
   stall    the sender joins, then stalls past the receiver's timeout: the receiver fails in time,
            its weights and version unchanged
   inplace  after recreating the group, an in-place (atomic=False) sync succeeds
@@ -49,6 +49,7 @@ def sender(plan, arrays, stall: float):
             _, perm = plan.dst_region(t)
             piece = torch.from_numpy(arrays[t.source][tuple(slice(a, b) for a, b in t.box)]).permute(perm)
             buf[off:off + t.nbytes].view(torch.bfloat16).view(piece.shape).copy_(piece)
+        return [buf[start:stop] for start, stop, *_ in plan.segments(m)]  # everything packed
 
     return pack
 
@@ -68,19 +69,23 @@ def main() -> None:
             t0 = time.perf_counter()
             try:
                 run_sync(plan, 0, None, role=SENDER, version=version, status=0, timeout=STALL_TIMEOUT + 8,
-                         ready_timeout=30, pack=sender(plan, arrays, stall), unpack=None)
+                         ready_timeout=30, pack=sender(plan, arrays, stall), recv=None, unpack=None)
                 events[phase] = {"ok": True}
             except bridge.SyncError as e:
                 events[phase] = {"ok": False, "error": type(e).__name__, "seconds": time.perf_counter() - t0}
         dist.destroy_process_group()
         bridge.init_group(0, 2, port=args.port2, timeout=30)
         run_sync(plan, 0, None, role=SENDER, version=3, status=0, timeout=10, ready_timeout=30,
-                 pack=sender(plan, {k: v * 2 for k, v in arrays.items()}, 0.0), unpack=None)
+                 pack=sender(plan, {k: v * 2 for k, v in arrays.items()}, 0.0), recv=None,
+                 unpack=None)
         events["inplace"] = {"ok": True}
     else:
         params = {t.name: torch.full(t.shape, 7.0, dtype=torch.bfloat16) for t in plan.mapping.for_rank(1)}
-        rec = bridge.Receiver(plan, params, rank=1, timeout=STALL_TIMEOUT)
+        rec = bridge.Receiver(plan, params, rank=1, timeout=STALL_TIMEOUT, swap=True)
+        ptrs = {n: t.data_ptr() for n, t in params.items()}
         events["ok"] = {"version": rec.sync()}
+        # swap=True: the same tensor objects now hold the received storage (no commit copy)
+        events["ok"]["swapped"] = all(t.data_ptr() != ptrs[n] for n, t in params.items())
         want = plan.reference(arrays)[1]
         events["ok"]["exact"] = all(torch.equal(params[n].float(), torch.from_numpy(want[n].astype(np.float32)))
                                     for n in params)
