@@ -11,6 +11,7 @@ Example (every inference process; the trainers run ``bridge.sender.Sender``):
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Mapping as MappingABC
 from typing import Any
@@ -120,9 +121,9 @@ class Receiver:
         self.consistent = True
         self._shadow: dict[str, torch.Tensor] | None = None
         self._arena = new_arena()
-        # Targets the sync writes only partly (padded rows): the shadow must start as a copy.
-        covered = {t.name: sum(_volume(r.shape) for r in t.regions) for t in targets}
-        self._partial = {t.name for t in targets if covered[t.name] < _volume(t.shape)}
+        # Parts of targets that no region writes (padded rows): the shadow takes them from the
+        # parameters before each sync.
+        self._uncovered = {t.name: boxes for t in targets if (boxes := _uncovered(t))}
         self._plan_for = self._compile()
 
     def _compile(self) -> dict[tuple[int, int], tuple[list[tuple], list[tuple]]]:
@@ -167,15 +168,17 @@ class Receiver:
         if self.atomic:
             if self._shadow is None:
                 self._shadow = {k: torch.empty_like(v) for k, v in self.params.items()}
-            for name in self._partial:
-                self._shadow[name].copy_(self.params[name])
+            for name, boxes in self._uncovered.items():
+                for box in boxes:
+                    self._shadow[name][box].copy_(self.params[name][box])
             into = self._shadow
         else:
             into = self.params
             self.consistent = False
         version = run_sync(self.plan, self.rank, group, role=RECEIVER, version=-1, status=0, timeout=self.timeout,
                            ready_timeout=self.ready_timeout, pack=_no_pack,
-                           recv=lambda m, buf: self._recv(into, m, buf), unpack=lambda m, buf: self._unpack(into, m, buf), progress=self.progress,
+                           recv=lambda m, buf: self._recv(into, m, buf),
+                           unpack=lambda m, buf: self._unpack(into, m, buf), progress=self.progress,
                            device=next(iter(self.params.values())).device, arena=self._arena)
         if self.atomic:
             with torch.no_grad():
@@ -197,11 +200,16 @@ class Receiver:
         self._arena = new_arena()
 
 
-def _volume(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+def _uncovered(target) -> list[tuple[slice, ...]]:
+    """The boxes of ``target`` that none of its regions covers: cells of the grid cut by the regions."""
+    cuts = [sorted({0, n, *(r.offset[d] for r in target.regions), *(r.offset[d] + r.shape[d] for r in target.regions)})
+            for d, n in enumerate(target.shape)]
+    out = []
+    for cell in itertools.product(*[list(zip(c[:-1], c[1:])) for c in cuts]):
+        if not any(all(o <= lo and hi <= o + n for (lo, hi), o, n in zip(cell, r.offset, r.shape, strict=True))
+                   for r in target.regions):
+            out.append(tuple(slice(lo, hi) for lo, hi in cell))
+    return out
 
 
 def _no_pack(m: Message, buf: torch.Tensor) -> list[torch.Tensor]:

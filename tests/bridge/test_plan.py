@@ -113,6 +113,39 @@ def test_buckets_cap_staging_memory(cap):
     assert p.network_bytes == sum(int(np.prod([b - a for a, b in t.box])) * 4 for t in p.transfers)
 
 
+def _consecutive(shape, box) -> bool:
+    flat = np.arange(int(np.prod(shape))).reshape(shape)[tuple(box)].ravel()
+    return bool(np.all(np.diff(flat) == 1))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_segments_partition_messages_and_flag_contiguous_pieces(fused):
+    cfg = C.small_config()
+    src = _source(cfg)
+    p = bridge.BridgePlan(src, bridge.llama_mapping(cfg, src, [2, 3], fused=fused), bucket_bytes=100_000)
+    kinds = set()
+    for m in p.messages:
+        segs = p.segments(m)
+        assert segs[0][0] == 0 and all(prev[1] <= nxt[0] for prev, nxt in zip(segs, segs[1:]))  # ordered, disjoint
+        covered = []
+        for start, stop, k, src_direct, dst_direct in segs:
+            items = [m.items[k]] if k >= 0 else [(i, o) for i, o in m.items if start <= o < stop]
+            assert items and items[0][1] == start and items[-1][1] + p.transfers[items[-1][0]].nbytes == stop
+            covered += items
+            for i, _ in items:  # the flags say exactly whether the piece is one block on each side
+                t = p.transfers[i]
+                box, perm = p.dst_region(t)
+                shard = src.layout(t.source).shard_box(t.src)
+                region = p.src_region(t)
+                s_ok = _consecutive([shard[d].stop - shard[d].start for d in perm], [region[d] for d in perm])
+                d_ok = _consecutive(p.target(t.target, t.dst).shape, box)
+                assert (src_direct, dst_direct) == ((s_ok, d_ok) if k >= 0 else (False, False))
+                assert k >= 0 or not (s_ok or d_ok)
+                kinds.add((s_ok, d_ok))
+        assert covered == list(m.items)
+    assert len(kinds) >= 3, kinds  # the plan exercises direct and packed pieces
+
+
 def test_fingerprint_is_deterministic_and_covers_every_input():
     cfg = C.small_config()
 
