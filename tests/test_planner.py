@@ -10,7 +10,7 @@ from hypothesis import given, strategies as st
 
 import jreshard
 from jreshard import Layout, Mesh, Move, plan
-from tests._oracle import assert_exact, assert_plan_ok, expected_lower_bound, global_array
+from tests._oracle import assert_exact, assert_plan_ok, expected_lower_bound
 
 
 def mesh(shape, names, first=0):
