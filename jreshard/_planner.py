@@ -373,8 +373,8 @@ class Plan:
                 src, dst, nb, count = (np.concatenate([p[k] for p in parts]) for k in range(4))
             else:
                 src = dst = nb = count = np.zeros(0, np.int64)
-            lower = sum(int(g.lower.sum()) for g in self._groups)
-            naive = sum(int(g.naive.sum()) for g in self._groups)
+            lower = sum(sum(g.lower.values()) for g in self._groups)
+            naive = sum(sum(g.naive.values()) for g in self._groups)
             unit = "bytes" if any((s.dtype or d.dtype) for s, d, _ in self._leaves) else "elements"
             self._stats = _stats(src, dst, nb, lower, naive, unit, count)
         return self._stats
@@ -484,11 +484,6 @@ class _GroupResult:
         return getattr(self, field)
 
 
-class _Lower(dict):
-    def sum(self) -> int:
-        return sum(self.values())
-
-
 def _lookup(sorted_keys: np.ndarray, sorted_vals: np.ndarray, queries: np.ndarray) -> np.ndarray:
     """Values for ``queries`` in a sorted key table, -1 where absent (row-wise batches)."""
     pos = np.searchsorted(sorted_keys, queries)
@@ -560,8 +555,8 @@ def _plan_leaves(leaves: list[tuple[Layout, Layout, int]], balance: bool = True)
             lacking_c = (dvol[None] - own).sum(axis=1)
         lacking = lacking_c[inv] * itemsize
         naive = int((dvol > 0).sum()) * math.prod(shape) * itemsize
-        lower = _Lower(zip(members, lacking.tolist()))
-        naive_d = _Lower(zip(members, naive.tolist()))
+        lower = dict(zip(members, lacking.tolist()))
+        naive_d = dict(zip(members, naive.tolist()))
 
         M = len(pieces.dst_pos)
         groups = sgrid.groups  # [num src shards, R]
