@@ -222,6 +222,52 @@ def test_same_shard_on_same_device_is_reused_without_copy():
     assert all(s.data.unsafe_buffer_pointer() == src[s.device.id] for s in out.addressable_shards)
 
 
+@pytest.mark.parametrize("transport", ["memcpy", "device_put", "collective"])
+def test_output_blocks_are_recycled_only_after_their_arrays_are_gone(transport):
+    import gc
+
+    jreshard.release_transfer_buffers()
+    rng = np.random.default_rng(7)
+    hosts = [host_array((64, 48), "float32", rng) for _ in range(3)]
+    src, dst = NamedSharding(TRAIN, P("fsdp")), NamedSharding(SERVE, P("dp", "tp"))
+    first = xfer(jax.device_put(hosts[0], src), dst, transport=transport)
+    pointers = {s.data.unsafe_buffer_pointer() for s in first.addressable_shards}
+    # While `first` lives, a second sync must not write into its memory.
+    second = xfer(jax.device_put(hosts[1], src), dst, transport=transport)
+    assert pointers.isdisjoint(s.data.unsafe_buffer_pointer() for s in second.addressable_shards)
+    np.testing.assert_array_equal(bits(first), bits(hosts[0]))
+    np.testing.assert_array_equal(bits(second), bits(hosts[1]))
+    # Once it is gone its blocks are refilled by the next sync of the same shapes.
+    del first
+    gc.collect()
+    free, _ = _transfer._OUTPUTS.stats()
+    assert free >= hosts[0].nbytes
+    third = xfer(jax.device_put(hosts[2], src), dst, transport=transport)
+    assert pointers == {s.data.unsafe_buffer_pointer() for s in third.addressable_shards}
+    np.testing.assert_array_equal(bits(third), bits(hosts[2]))
+    np.testing.assert_array_equal(bits(second), bits(hosts[1]))
+    jreshard.release_transfer_buffers()
+    assert _transfer._OUTPUTS.stats()[0] == 0
+    del second, third
+    gc.collect()
+    assert _transfer._OUTPUTS.stats()[0] == 0  # released: blocks in use are dropped, not kept
+
+
+def test_output_pool_keeps_at_most_one_sync_of_free_blocks():
+    import gc
+
+    jreshard.release_transfer_buffers()
+    rng = np.random.default_rng(8)
+    host = host_array((32, 16), "int32", rng)
+    x = jax.device_put(host, NamedSharding(TRAIN, P("fsdp")))
+    outs = [jreshard.transfer(x, NamedSharding(SERVE, P("dp", "tp"))) for _ in range(4)]
+    assert _transfer._OUTPUTS.stats()[1] >= 4 * host.nbytes  # every live output is its own block
+    del outs
+    gc.collect()
+    free, used = _transfer._OUTPUTS.stats()
+    assert (free, used) == (host.nbytes, 0)  # one sync's output (four distinct shards) is kept, the rest freed
+
+
 def test_plan_from_shape_dtype_structs_is_reused_and_refused_when_it_does_not_match(model):
     hosts, params = model
     target = _target(params)
