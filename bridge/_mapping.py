@@ -158,6 +158,9 @@ class Rule:
       pad_to: pad the ``shard`` dim to a multiple of this (a padded vocabulary); the padded
         rows of each rank are left untouched.
       dtype: the torch dtype (default: the mapping's).
+      heads: the ``shard`` dim is this many equal attention heads. TP splits whole heads (the
+        head count must be a multiple of the TP degree), or, with more TP ranks than heads,
+        each head is replicated on ``tp // heads`` consecutive ranks, as vLLM does for KV heads.
     """
 
     pattern: str
@@ -167,6 +170,7 @@ class Rule:
     part: int = 0
     pad_to: int = 1
     dtype: str | None = None
+    heads: int | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -175,6 +179,11 @@ class Rule:
             raise ValueError(f"Rule pattern {self.pattern!r} is not a regular expression: {e}.") from None
         if not isinstance(self.pad_to, numbers.Integral) or self.pad_to < 1:
             raise ValueError(f"Rule pad_to must be a positive int, got {self.pad_to!r}.")
+        if self.heads is not None:
+            if isinstance(self.heads, bool) or not isinstance(self.heads, numbers.Integral) or self.heads < 1:
+                raise ValueError(f"Rule heads must be a positive int or None, got {self.heads!r}.")
+            if self.shard is None or self.pad_to != 1:
+                raise ValueError(f"Rule {self.pattern!r}: heads needs a shard dim and no padding (pad_to=1).")
 
     def perm(self, rank: int) -> tuple[int, ...]:
         if self.transpose is True:
@@ -201,8 +210,24 @@ def _tp_groups(tp_ranks: Any) -> list[list[int]]:
     return arr.tolist()
 
 
-def _split(n: int, tp: int, pad_to: int, what: str) -> tuple[int, list[tuple[int, int]]]:
+def _split(n: int, tp: int, pad_to: int, what: str, heads: int | None = None) -> tuple[int, list[tuple[int, int]]]:
     """Per-rank (lo, hi) of a dim of size n split tp ways, vLLM-style; returns (local size, ranges)."""
+    if heads is not None:
+        if n % heads:
+            raise ValueError(f"{what}: size {n} is not {heads} equal heads; fix the Rule's heads.")
+        if tp > heads:  # each head on tp // heads consecutive ranks
+            if tp % heads:
+                raise ValueError(
+                    f"{what}: {heads} heads cannot be replicated evenly over {tp} tensor-parallel ranks; "
+                    f"use a TP degree that is a multiple or a divisor of {heads}."
+                )
+            s = n // heads
+            return s, [((r * heads // tp) * s, (r * heads // tp + 1) * s) for r in range(tp)]
+        if heads % tp:
+            raise ValueError(
+                f"{what}: {heads} heads do not split evenly over {tp} tensor-parallel ranks (a head would be "
+                f"cut); use a TP degree dividing {heads}."
+            )
     padded = -(-n // pad_to) * pad_to
     if padded % tp:
         raise ValueError(
@@ -276,7 +301,8 @@ def tp_mapping(source: Source, rules: Sequence[Rule], tp_ranks: Any, *, dtype: A
                 if shard is None:
                     local, ranges = tshape[cat], [(0, tshape[cat])] * tp
                 else:
-                    local, ranges = _split(tshape[cat], tp, rule.pad_to, f"leaf {path!r} -> {name!r} dim {cat}")
+                    local, ranges = _split(tshape[cat], tp, rule.pad_to, f"leaf {path!r} -> {name!r} dim {cat}",
+                                           rule.heads)
                 for r, (lo, hi) in enumerate(ranges):
                     box = [(0, n) for n in shape]
                     box[perm[cat]] = (lo, hi)
@@ -297,22 +323,25 @@ def llama_rules(config: LlamaConfig, *, fused: bool = False, vocab_pad: int = 64
 
     Column parallel: q, k, v, gate, up (``fused=True``: ``qkv_proj``, ``gate_up_proj``);
     row parallel: o, down; vocabulary parallel embedding and lm_head padded to ``vocab_pad``;
-    norms replicated.
+    norms replicated. Attention splits whole heads; with more TP ranks than KV heads each
+    KV head is replicated on ``tp // num_key_value_heads`` consecutive ranks (as vLLM does).
     """
     L = r"layers_(\d+)"
+    heads = {"q": config.num_attention_heads, "k": config.num_key_value_heads, "v": config.num_key_value_heads}
     rules = [Rule("embed/embedding", "model.embed_tokens.weight", shard=0, pad_to=vocab_pad)]
     if fused:
         rules += [Rule(rf"{L}/attn/{x}_proj/kernel", "model.layers.{1}.self_attn.qkv_proj.weight",
-                       transpose=True, shard=0, part=i) for i, x in enumerate("qkv")]
+                       transpose=True, shard=0, part=i, heads=heads[x]) for i, x in enumerate("qkv")]
         rules += [Rule(rf"{L}/mlp/{x}_proj/kernel", "model.layers.{1}.mlp.gate_up_proj.weight",
                        transpose=True, shard=0, part=i) for i, x in enumerate(("gate", "up"))]
     else:
-        rules += [Rule(rf"{L}/attn/(q|k|v)_proj/kernel", "model.layers.{1}.self_attn.{2}_proj.weight",
-                       transpose=True, shard=0),
-                  Rule(rf"{L}/mlp/(gate|up)_proj/kernel", "model.layers.{1}.mlp.{2}_proj.weight",
-                       transpose=True, shard=0)]
+        rules += [Rule(rf"{L}/attn/({x})_proj/kernel", "model.layers.{1}.self_attn.{2}_proj.weight",
+                       transpose=True, shard=0, heads=heads[x]) for x in "qkv"]
+        rules.append(Rule(rf"{L}/mlp/(gate|up)_proj/kernel", "model.layers.{1}.mlp.{2}_proj.weight",
+                          transpose=True, shard=0))
     rules += [
-        Rule(rf"{L}/attn/o_proj/kernel", "model.layers.{1}.self_attn.o_proj.weight", transpose=True, shard=1),
+        Rule(rf"{L}/attn/o_proj/kernel", "model.layers.{1}.self_attn.o_proj.weight", transpose=True, shard=1,
+             heads=config.num_attention_heads),
         Rule(rf"{L}/mlp/down_proj/kernel", "model.layers.{1}.mlp.down_proj.weight", transpose=True, shard=1),
         Rule(rf"{L}/attn/(q|k)_norm/scale", "model.layers.{1}.self_attn.{2}_norm.weight"),
         Rule(rf"{L}/input_norm/scale", "model.layers.{1}.input_layernorm.weight"),

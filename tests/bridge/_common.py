@@ -61,6 +61,9 @@ def vllm_shards(arrays: dict[str, np.ndarray], config: LlamaConfig, tp: int, *, 
                 local[: len(rows)] = rows
             elif name.endswith(("o_proj.weight", "down_proj.weight")):
                 local = np.split(w, tp, axis=1)[r]
+            elif name.endswith(("k_proj.weight", "v_proj.weight")) and tp > c.num_key_value_heads:
+                # vLLM replicates KV heads when TP exceeds them: rank r holds head r // (tp // kv_heads).
+                local = np.split(w, c.num_key_value_heads, axis=0)[r // (tp // c.num_key_value_heads)]
             elif w.ndim == 2:
                 local = np.split(w, tp, axis=0)[r]
             else:

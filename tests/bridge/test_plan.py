@@ -46,6 +46,10 @@ CASES = [
     ("fsdp2x-replica2-tp1", {}, ((2, 2), ("replica", "fsdp"), (0, 1), 2), lambda p, s: fsdp_spec(p, s), [9], True, 64),
     ("fsdp3-uneven-tp2x2-replicas", {"vocab_size": 1000, "intermediate_size": 690},
      ((3,), ("fsdp",), (0, 1, 2), 1), fsdp_spec, [[3, 4], [5, 6]], False, 128),
+    ("fsdp4-tp8-kv-heads-replicated", {"vocab_size": 1000}, ((4,), ("fsdp",), (0, 1), 2), fsdp_spec,
+     list(range(4, 12)), True, 64),
+    ("fsdp4-tp8-kv-heads-replicated-plain", {}, ((4,), ("fsdp",), (0, 1), 2), fsdp_spec, list(range(4, 12)), False,
+     64),
     ("tp-sharded-trainer", {"vocab_size": 1000}, ((2, 2), ("fsdp", "tp"), (0, 1), 2),
      lambda p, s: (("fsdp", "tp") + (None,) * (len(s) - 2)) if len(s) >= 2 else (None,) * len(s), [2, 3], True, 64),
 ]
@@ -207,6 +211,16 @@ def _bad_cases():
          "SOURCE_BASE"),
         ("source id range", lambda: bridge.source_id(0, 1000), ValueError, "local"),
         ("config", lambda: LlamaConfig.load("llama-tiny", num_key_value_heads=3), ValueError, "multiple"),
+        ("tp cuts a head", lambda: bridge.llama_mapping(LlamaConfig.load("llama-tiny", num_attention_heads=12,
+                                                                           num_key_value_heads=4, hidden_size=384),
+                                                        _source(LlamaConfig.load("llama-tiny", num_attention_heads=12,
+                                                                                 num_key_value_heads=4,
+                                                                                 hidden_size=384)),
+                                                        list(range(2, 10))), ValueError, "a head would be cut"),
+        ("kv heads not replicable", lambda: bridge.tp_mapping(tiny, [bridge.Rule("w", "w", shard=0, heads=2)],
+                                                              [1, 2, 3]), ValueError, "replicated evenly"),
+        ("heads without shard", lambda: bridge.Rule("w", "w", heads=2), ValueError, "needs a shard dim"),
+        ("heads not int", lambda: bridge.Rule("w", "w", shard=0, heads=0), ValueError, "positive int"),
         ("model name", lambda: LlamaConfig.load("no-such-model"), ValueError, "llama-tiny"),
     ]
 
