@@ -41,6 +41,7 @@ __all__ = [
     "init_group",
     "llama_mapping",
     "llama_rules",
+    "reject_sync",
     "source_id",
     "split_source_id",
     "tp_mapping",
@@ -53,6 +54,7 @@ _LAZY: dict[str, str] = {
     "SyncError": "bridge._wire",
     "PlanMismatchError": "bridge._wire",
     "init_group": "bridge._wire",
+    "reject_sync": "bridge._wire",
     "dtensor_mapping": "bridge.receiver",
 }
 

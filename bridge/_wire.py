@@ -42,8 +42,8 @@ import torch.distributed as dist
 
 from bridge._plan import BridgePlan, Message
 
-__all__ = ["SyncError", "PlanMismatchError", "init_group", "run_sync", "check_plan_and_rank", "new_arena",
-           "torch_dtype", "TORCH_DTYPES"]
+__all__ = ["SyncError", "PlanMismatchError", "init_group", "run_sync", "reject_sync", "check_plan_and_rank",
+           "new_arena", "torch_dtype", "TORCH_DTYPES"]
 
 log = logging.getLogger("bridge")
 
@@ -263,3 +263,25 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
     log.info("rank %d synced version %d: %s bytes in %d buckets, %.3f s (%.2f GB/s, pid %d)",
              rank, version, f"{nbytes:,}", plan.num_buckets, elapsed, nbytes / max(elapsed, 1e-9) / 1e9, os.getpid())
     return version
+
+
+def _nothing(m: Message, buf: torch.Tensor) -> list[torch.Tensor]:
+    return []
+
+
+def reject_sync(plan: BridgePlan, *, rank: int | None = None, group: dist.ProcessGroup | None = None,
+                ready_timeout: float = 600.0) -> None:
+    """Joins one sync as a rank that cannot take part, so that every other rank fails at once.
+
+    Call it where a rank's own set-up failed (for example ``Receiver`` refused its
+    parameters): the handshake tells every rank, which raise ``SyncError`` ("ranks [r]
+    rejected the sync") instead of waiting ``ready_timeout`` for this rank. Nothing is
+    sent or received; returns once the handshake is done (or failed).
+    """
+    rank = check_plan_and_rank(plan, rank)
+    role = SENDER if rank in plan.source.ranks else RECEIVER
+    try:
+        run_sync(plan, rank, group, role=role, version=0 if role == SENDER else -1, status=1, timeout=ready_timeout,
+                 ready_timeout=ready_timeout, pack=_nothing, recv=_nothing, unpack=lambda m, b: None)
+    except SyncError as e:
+        log.info("rank %d rejected a sync: %s", rank, e)

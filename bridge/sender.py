@@ -28,7 +28,7 @@ from jreshard import Layout, Mesh
 
 from bridge._plan import BridgePlan, Message
 from bridge._source import Source, source_id
-from bridge._wire import SENDER, SyncError, check_plan_and_rank, new_arena, run_sync, torch_dtype
+from bridge._wire import SENDER, SyncError, check_plan_and_rank, new_arena, reject_sync, run_sync, torch_dtype
 
 __all__ = ["Sender", "describe", "flatten_params"]
 
@@ -222,19 +222,14 @@ class Sender:
         """
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be a non-negative int (the training step), got {version!r}.")
-        status, error = 0, None
+        error = None
         try:
             shards = self._shards(params)
         except (ValueError, TypeError) as e:
-            status, error, shards = 1, e, {}
+            error, shards = e, {}
         if error is not None:
             # Join the handshake so every rank learns this one rejected the sync, then raise the cause.
-            try:
-                run_sync(self.plan, self.rank, group, role=SENDER, version=version, status=status,
-                         timeout=self.timeout, ready_timeout=self.ready_timeout,
-                         pack=lambda m, b: [], recv=lambda m, b: [], unpack=lambda m, b: None)
-            except SyncError:
-                pass
+            reject_sync(self.plan, rank=self.rank, group=group, ready_timeout=self.ready_timeout)
             raise error
         cache: dict = {}
         return run_sync(self.plan, self.rank, group, role=SENDER, version=version, status=0, timeout=self.timeout,

@@ -141,6 +141,18 @@ def test_plan_mismatch_is_an_error_on_every_rank(run):
         assert "different sync plans" in ev["message"]
 
 
+def test_a_rank_that_rejects_fails_every_other_rank_at_once(run):
+    rejecting = C.RECEIVERS[1]
+    ev = run["events"][rejecting]["rejected"]
+    assert ev["ok"] is False and ev["error"] == "ValueError" and "mapping expects" in ev["message"], ev
+    for r in (*C.TRAINERS, C.RECEIVERS[0]):
+        ev = run["events"][r]["rejected"]
+        assert ev["ok"] is False and ev["error"] == "SyncError", (r, ev)
+        assert f"ranks [{rejecting}] rejected the sync" in ev["message"], (r, ev)
+        assert ev["seconds"] < 10.0, (r, ev)  # the handshake fails at once, not after ready_timeout
+    assert run["events"][C.RECEIVERS[0]]["rejected"]["unchanged"] is True
+
+
 def test_end_to_end_llama_logits(run):
     import torch
     import transformers

@@ -8,6 +8,8 @@ test checks them against NumPy references. Phases, in order:
   fused_bf16  the same, cast to bfloat16 at the sender
   dtensor     DTensor targets (Shard/Replicate over a DeviceMesh of the two receivers)
   mismatch    receivers plan with another vocabulary padding: every rank must raise PlanMismatchError
+  rejected    receiver rank 3's Receiver refuses its parameters and it calls bridge.reject_sync: every
+              other rank must fail at once (not after ready_timeout), receiver 2's weights untouched
   e2e         flax Llama (llama-tiny) takes a training step; synced into Hugging Face names, TP2
   pre_kill    a first sync into the receivers that the kill phase must leave untouched
   kill        trainer rank 1 kills itself mid-sync; everyone else must fail within the timeout
@@ -67,6 +69,7 @@ def plans(config, **kw) -> dict[str, bridge.BridgePlan]:
     }
     out["pre_kill"] = out["restart"] = out["kill"]
     out["mismatch"] = out["fused_f32"]  # the receivers plan this one with another padding
+    out["rejected"] = out["fused_f32"]
     dt = (bridge.dtensor_targets("q.weight", s_small, "layers_0/attn/q_proj/kernel", [2, 3], [("shard", 0)],
                                  transpose=True)
           + bridge.dtensor_targets("down.weight", s_small, "layers_1/mlp/down_proj/kernel", [2, 3], [("shard", 1)],
@@ -128,6 +131,7 @@ def trainer(rank: int, args) -> None:
     run("fused_bf16", small, 2)
     run("dtensor", small, 3)
     run("mismatch", small, 4)
+    run("rejected", small, 4)
 
     cfg = C.tiny_config()
     shardings = {p: NamedSharding(mesh, P(*fsdp_spec(p, s))) for p, s in param_shapes(cfg).items()}
@@ -230,6 +234,23 @@ def receiver(rank: int, args) -> None:
                               bucket_bytes=all_plans["mismatch"].bucket_bytes)
     params = zeros(wrong)
     run("mismatch", bridge.Receiver(wrong, params, rank=rank, timeout=TIMEOUT), params)
+
+    params = zeros(all_plans["rejected"])
+    if rank == C.RECEIVERS[1]:
+        t0 = time.perf_counter()
+        try:
+            bridge.Receiver(all_plans["rejected"], {k: v.double() for k, v in params.items()}, rank=rank)
+            events["rejected"] = {"ok": True}
+        except ValueError as e:
+            bridge.reject_sync(all_plans["rejected"], rank=rank)
+            events["rejected"] = {"ok": False, "error": "ValueError", "message": str(e),
+                                  "seconds": time.perf_counter() - t0}
+        save(args.out, rank)
+    else:
+        rec = bridge.Receiver(all_plans["rejected"], params, rank=rank, timeout=TIMEOUT, ready_timeout=300)
+        run("rejected", rec, params)
+        events["rejected"]["unchanged"] = all(bool((v == 0).all()) for v in params.values())
+        save(args.out, rank)
 
     params = zeros(all_plans["e2e"])
     run("e2e", bridge.Receiver(all_plans["e2e"], params, rank=rank, timeout=TIMEOUT), params)
