@@ -13,6 +13,11 @@ over gloo. The weights are float32 in JAX and bfloat16 on the inference ranks.
              every inference rank, each rank slicing its TP part
   raw p2p    gloo batch_isend_irecv of preallocated contiguous buffers with exactly the
              bridge's bytes per (sender, receiver) pair: the transport's ceiling
+  floor      the layout work any sync into these targets must do, without the bridge: each
+             trainer casts and transposes every shard it sends with XLA (as the bridge does),
+             then the raw p2p, then each receiver copies the received bytes once, contiguously,
+             into its tensors. No protocol, no pipelining, no strided unpacking: on a machine
+             whose cores are all busy this bounds what the bridge can reach
 
 Usage: python benchmarks/bridge_bench.py [--layers 8 --hidden 1024 --reps 5 --bucket-mb 16 --plain --profile]
 Prints medians, ratios, the machine and the versions. Goals: bridge >= 2x gather, >= 70% of raw.
@@ -99,7 +104,8 @@ def worker(args) -> None:
     pairs = sorted({(t.src_rank, t.dst) for t in plan.transfers})
     pair_bytes = {p: sum(t.nbytes for t in plan.transfers if (t.src_rank, t.dst) == p) for p in pairs}
     raw = {p: torch.empty(n, dtype=torch.uint8) for p, n in pair_bytes.items() if rank in p}
-    times: dict[str, list[float]] = {"bridge": [], "swap": [], "gather": [], "raw": []}
+    times: dict[str, list[float]] = {"bridge": [], "swap": [], "gather": [], "raw": [], "floor": []}
+    landed = {p: torch.empty_like(b) for p, b in raw.items() if p[1] == rank}
 
     def raw_p2p():
         ops = [dist.P2POp(dist.isend if s == rank else dist.irecv, buf, d if s == rank else s)
@@ -136,14 +142,28 @@ def worker(args) -> None:
                 else:
                     full.block_until_ready()  # trainer 1 takes part in the all-gather, then idles
 
+        import jax.numpy as jnp
+
+        # The cast+transposes the bridge's sender runs: one per (leaf, source device, permutation).
+        layout_work = sorted({(t.source, t.src, plan.dst_region(t)[1], plan.target(t.target, t.dst).dtype)
+                              for t in plan.transfers if t.src_rank == rank})
+        relayout = jax.jit(lambda x, perm, dtype: jnp.transpose(x.astype(dtype), perm), static_argnums=(1, 2))
+
+        def floor():
+            shards = sender._shards(params)  # this process's single-device shards by (leaf, source id)
+            jax.block_until_ready([relayout(shards[(leaf, dev)], perm, dtype)
+                                   for leaf, dev, perm, dtype in layout_work])
+            raw_p2p()
+
         for rep in range(args.reps + 1):
             step = rep + 1
             tb = _timed(lambda: sender.sync(params, version=step), args.profile and rep == args.reps)
             ts = _timed(lambda: sender.sync(params, version=step))
             tg = _timed(gather)
             tr = _timed(raw_p2p)
+            tf = _timed(floor)
             if rep:  # the first repetition warms up (jit compilation, buffers)
-                for k, t in (("bridge", tb), ("swap", ts), ("gather", tg), ("raw", tr)):
+                for k, t in (("bridge", tb), ("swap", ts), ("gather", tg), ("raw", tr), ("floor", tf)):
                     times[k].append(t)
     else:
         targets = plan.mapping.for_rank(rank)
@@ -167,13 +187,19 @@ def worker(args) -> None:
                     dst = tuple(slice(o, o + n) for o, n in zip(r.offset, r.shape, strict=True))
                     sliced[name][dst].copy_(full[box].permute(r.transpose))
 
+        def floor():
+            raw_p2p()
+            for p, buf in landed.items():
+                buf.copy_(raw[p])
+
         for rep in range(args.reps + 1):
             tb = _timed(receiver.sync, args.profile and rep == args.reps)
             ts = _timed(swapper.sync)
             tg = _timed(gather)
             tr = _timed(raw_p2p)
+            tf = _timed(floor)
             if rep:
-                for k, t in (("bridge", tb), ("swap", ts), ("gather", tg), ("raw", tr)):
+                for k, t in (("bridge", tb), ("swap", ts), ("gather", tg), ("raw", tr), ("floor", tf)):
                     times[k].append(t)
         same = all(torch.equal(local[n], sliced[n]) and torch.equal(swapped[n], sliced[n]) for n in local)
         if rank == RECEIVERS[0]:
@@ -264,13 +290,16 @@ def _report(args, res) -> None:
           f"{res['bridge_equals_gather']}")
     print(f"repetitions: {args.reps} (after one warm-up), medians:")
     for k, label in (("bridge", "bridge"), ("swap", "bridge, swap=True"), ("gather", "gather-then-broadcast"),
-                     ("raw", "raw p2p, same bytes")):
+                     ("raw", "raw p2p, same bytes"), ("floor", "floor: layout work + raw")):
         ts = res["times"][k]
         print(f"  {label:<24} {med[k] * 1e3:9.1f} ms   {nbytes / med[k] / 1e9:6.2f} GB/s of bridge bytes   "
               f"(min {min(ts) * 1e3:.1f}, max {max(ts) * 1e3:.1f})")
     print(f"speed-up over gather-then-broadcast: {med['gather'] / med['bridge']:.2f}x (goal >= 2x)")
     print(f"fraction of raw p2p bandwidth:       {med['raw'] / med['bridge'] * 100:.0f}% (goal >= 70%); "
           f"with swap=True {med['raw'] / med['swap'] * 100:.0f}%")
+    print(f"the floor's own fraction of raw p2p: {med['raw'] / med['floor'] * 100:.0f}% (the most any sync with "
+          f"this layout work reaches here); bridge time / floor time = {med['bridge'] / med['floor']:.2f} "
+          f"(swap=True {med['swap'] / med['floor']:.2f})")
 
 
 if __name__ == "__main__":
