@@ -26,10 +26,12 @@ How a transfer runs (every process computes the same schedule from the same plan
    with the same dtype, is reused without a copy.
 
 On the CPU backend ``transport="memcpy"`` copies every box straight from the source
-device's buffer into a new destination buffer (one copy per byte, no staging,
+device's buffer into its destination buffer (one copy per byte, no staging,
 several threads). This is the per-box device-to-device path for CPU, and what
 ``"auto"`` picks there when one process addresses every device: it was the fastest
 transport in every run of ``benchmarks/transfer_bench.py`` (see docs/transfer.md).
+On CPU the destination buffers are blocks recycled once the arrays that used them
+are gone (``_OutputPool``).
 
 The schedule and the jitted programs are cached per plan, so a second transfer of
 the same pytree does no tracing.

@@ -253,6 +253,24 @@ def test_output_blocks_are_recycled_only_after_their_arrays_are_gone(transport):
     assert _transfer._OUTPUTS.stats()[0] == 0  # released: blocks in use are dropped, not kept
 
 
+def test_a_numpy_view_of_one_output_shard_keeps_its_block_out_of_the_pool():
+    import gc
+
+    jreshard.release_transfer_buffers()
+    rng = np.random.default_rng(9)
+    hosts = [host_array((64, 48), "float32", rng) for _ in range(2)]
+    src, dst = NamedSharding(TRAIN, P("fsdp")), NamedSharding(SERVE, P("dp", "tp"))
+    out = jreshard.transfer(jax.device_put(hosts[0], src), dst)
+    view = np.asarray(out.addressable_shards[0].data)  # zero-copy on CPU
+    want = view.copy()
+    del out
+    gc.collect()
+    again = jreshard.transfer(jax.device_put(hosts[1], src), dst)
+    assert view.ctypes.data not in {s.data.unsafe_buffer_pointer() for s in again.addressable_shards}
+    np.testing.assert_array_equal(view, want)
+    np.testing.assert_array_equal(bits(again), bits(hosts[1]))
+
+
 def test_output_pool_keeps_at_most_one_sync_of_free_blocks():
     import gc
 
