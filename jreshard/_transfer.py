@@ -774,9 +774,9 @@ class _OutputPool:
     keeps alive as long as any array uses the memory; when it is collected the block
     goes back to the pool, to be refilled by the next sync of the same shapes instead
     of faulting in fresh pages (on the machines measured, first-touch page faults cost
-    more than the copy itself). The pool keeps at most ``limit`` bytes of free blocks:
-    the largest output of one sync seen so far, so a loop that keeps one set of synced
-    weights alive holds at most one extra set.
+    more than the copy itself). The pool keeps free blocks up to the largest output of
+    one sync seen so far (``reserve``), so a loop that keeps one set of synced weights
+    alive holds at most one extra set.
     """
 
     def __init__(self) -> None:
