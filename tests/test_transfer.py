@@ -271,6 +271,22 @@ def test_a_numpy_view_of_one_output_shard_keeps_its_block_out_of_the_pool():
     np.testing.assert_array_equal(bits(again), bits(hosts[1]))
 
 
+def test_donating_an_output_to_a_jitted_function_keeps_its_result_safe_from_the_pool():
+    import gc
+
+    rng = np.random.default_rng(10)
+    hosts = [host_array((64, 48), "int32", rng) for _ in range(2)]
+    src, dst = NamedSharding(TRAIN, P("fsdp")), NamedSharding(SERVE, P("dp", "tp"))
+    out = jreshard.transfer(jax.device_put(hosts[0], src), dst)
+    y = jax.jit(lambda a: a + 1, donate_argnums=0)(out)
+    gc.collect()
+    again = jreshard.transfer(jax.device_put(hosts[1], src), dst)
+    assert {s.data.unsafe_buffer_pointer() for s in y.addressable_shards}.isdisjoint(
+        s.data.unsafe_buffer_pointer() for s in again.addressable_shards)
+    np.testing.assert_array_equal(np.asarray(y), hosts[0] + 1)
+    np.testing.assert_array_equal(bits(again), bits(hosts[1]))
+
+
 def test_output_pool_keeps_at_most_one_sync_of_free_blocks():
     import gc
 
