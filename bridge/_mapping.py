@@ -158,9 +158,10 @@ class Rule:
       pad_to: pad the ``shard`` dim to a multiple of this (a padded vocabulary); the padded
         rows of each rank are left untouched.
       dtype: the torch dtype (default: the mapping's).
-      heads: the ``shard`` dim is this many equal attention heads. TP splits whole heads (the
-        head count must be a multiple of the TP degree), or, with more TP ranks than heads,
-        each head is replicated on ``tp // heads`` consecutive ranks, as vLLM does for KV heads.
+      heads: the ``shard`` dim is this many equal attention heads; TP splits whole heads (the
+        head count must be a multiple of the TP degree).
+      replicate_heads: with more TP ranks than ``heads``, replicate each head on
+        ``tp // heads`` consecutive ranks instead of refusing, as vLLM does for KV heads.
     """
 
     pattern: str
@@ -171,6 +172,7 @@ class Rule:
     pad_to: int = 1
     dtype: str | None = None
     heads: int | None = None
+    replicate_heads: bool = False
 
     def __post_init__(self) -> None:
         try:
@@ -184,6 +186,8 @@ class Rule:
                 raise ValueError(f"Rule heads must be a positive int or None, got {self.heads!r}.")
             if self.shard is None or self.pad_to != 1:
                 raise ValueError(f"Rule {self.pattern!r}: heads needs a shard dim and no padding (pad_to=1).")
+        elif self.replicate_heads:
+            raise ValueError(f"Rule {self.pattern!r}: replicate_heads needs heads (the number of heads).")
 
     def perm(self, rank: int) -> tuple[int, ...]:
         if self.transpose is True:
@@ -210,11 +214,17 @@ def _tp_groups(tp_ranks: Any) -> list[list[int]]:
     return arr.tolist()
 
 
-def _split(n: int, tp: int, pad_to: int, what: str, heads: int | None = None) -> tuple[int, list[tuple[int, int]]]:
+def _split(n: int, tp: int, pad_to: int, what: str, heads: int | None = None,
+           replicate: bool = False) -> tuple[int, list[tuple[int, int]]]:
     """Per-rank (lo, hi) of a dim of size n split tp ways, vLLM-style; returns (local size, ranges)."""
     if heads is not None:
         if n % heads:
             raise ValueError(f"{what}: size {n} is not {heads} equal heads; fix the Rule's heads.")
+        if tp > heads and not replicate:
+            raise ValueError(
+                f"{what}: {tp} tensor-parallel ranks for {heads} heads; use a TP degree dividing {heads} "
+                "(only KV heads are replicated: Rule(replicate_heads=True))."
+            )
         if tp > heads:  # each head on tp // heads consecutive ranks
             if tp % heads:
                 raise ValueError(
@@ -302,7 +312,7 @@ def tp_mapping(source: Source, rules: Sequence[Rule], tp_ranks: Any, *, dtype: A
                     local, ranges = tshape[cat], [(0, tshape[cat])] * tp
                 else:
                     local, ranges = _split(tshape[cat], tp, rule.pad_to, f"leaf {path!r} -> {name!r} dim {cat}",
-                                           rule.heads)
+                                           rule.heads, rule.replicate_heads)
                 for r, (lo, hi) in enumerate(ranges):
                     box = [(0, n) for n in shape]
                     box[perm[cat]] = (lo, hi)
@@ -331,12 +341,13 @@ def llama_rules(config: LlamaConfig, *, fused: bool = False, vocab_pad: int = 64
     rules = [Rule("embed/embedding", "model.embed_tokens.weight", shard=0, pad_to=vocab_pad)]
     if fused:
         rules += [Rule(rf"{L}/attn/{x}_proj/kernel", "model.layers.{1}.self_attn.qkv_proj.weight",
-                       transpose=True, shard=0, part=i, heads=heads[x]) for i, x in enumerate("qkv")]
+                       transpose=True, shard=0, part=i, heads=heads[x], replicate_heads=x != "q")
+                  for i, x in enumerate("qkv")]
         rules += [Rule(rf"{L}/mlp/{x}_proj/kernel", "model.layers.{1}.mlp.gate_up_proj.weight",
                        transpose=True, shard=0, part=i) for i, x in enumerate(("gate", "up"))]
     else:
         rules += [Rule(rf"{L}/attn/({x})_proj/kernel", "model.layers.{1}.self_attn.{2}_proj.weight",
-                       transpose=True, shard=0, heads=heads[x]) for x in "qkv"]
+                       transpose=True, shard=0, heads=heads[x], replicate_heads=x != "q") for x in "qkv"]
         rules.append(Rule(rf"{L}/mlp/(gate|up)_proj/kernel", "model.layers.{1}.mlp.{2}_proj.weight",
                           transpose=True, shard=0))
     rules += [
