@@ -122,14 +122,12 @@ def _parse_shape(shape: Any) -> tuple[int, ...]:
 class _Grid:
     """How a layout cuts a tensor, independent of which ids the devices have.
 
-    ``parts[d]`` shards dim d into ``chunk[d]``-sized pieces; ``shard_index`` maps a
-    mesh position to its shard per dim; ``groups`` lists the mesh positions holding
+    ``parts[d]`` shards dim d into ``chunk[d]``-sized pieces; ``groups`` lists the mesh positions holding
     each distinct shard (its replicas), in flat shard order.
     """
 
     parts: tuple[int, ...]
     chunk: tuple[int, ...]
-    shard_index: np.ndarray  # [mesh size, rank] int64
     shard_flat: np.ndarray  # [mesh size] flat shard id
     groups: np.ndarray  # [num shards, replicas] mesh positions
     start: np.ndarray  # [mesh size, rank]
@@ -161,13 +159,9 @@ def _grid(shape: tuple[int, ...], mesh_shape: tuple[int, ...], axis_names: tuple
     flat = np.asarray(flat, dtype=np.int64)
     order = np.argsort(flat, kind="stable")
     groups = order.reshape(math.prod(parts_t), -1)
-    for a in (index, flat, groups, start, stop):
+    for a in (flat, groups, start, stop):
         a.setflags(write=False)
-    return _Grid(parts_t, chunk_t, index, flat, groups, start, stop)
-
-
-def _box_repr(box: Box) -> str:
-    return "[" + ", ".join(f"{s.start}:{s.stop}" for s in box) + "]"
+    return _Grid(parts_t, chunk_t, flat, groups, start, stop)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, init=False, eq=False)

@@ -569,7 +569,7 @@ def _plan_leaves(leaves: list[tuple[Layout, Layout, int]], balance: bool = True)
         # other groups keep their rows per mesh pair.
         pdst = pdst_c[inv].ravel() if R > 1 or not M else None
         psrc = psrc_c[inv].ravel() if R > 1 or not M else None
-        staged.append((key, members, pieces, None, psrc, pdst, itemsize, lower, naive_d, inv, pdst_c, psrc_c))
+        staged.append((key, members, pieces, psrc, pdst, itemsize, lower, naive_d, inv, pdst_c, psrc_c))
         if R > 1 and M:
             free = ~local_c[inv].ravel()
             if free.any():
@@ -598,13 +598,13 @@ def _plan_leaves(leaves: list[tuple[Layout, Layout, int]], balance: bool = True)
         fbytes = np.fromiter(fixed_load.values(), dtype=np.float64, count=len(fixed_load))
         assigned, splits = _balance(staged, choice, fsrc, fbytes, balance)
         for (gi, rows, *_), chosen in zip(choice, assigned, strict=True):
-            staged[gi][4][rows] = chosen
+            staged[gi][3][rows] = chosen
     choice_groups = {c[0] for c in choice}
 
     # Assemble rows, sorted by (tensor, dst, src, box) so each tensor is a contiguous range.
     results: list[_GroupResult] = []
     index: list = [None] * len(leaves)
-    for gi, (key, members, pieces, tcol, psrc, pdst, itemsize, lower, naive_d, inv, pdst_c, psrc_c) in enumerate(staged):
+    for gi, (key, members, pieces, psrc, pdst, itemsize, lower, naive_d, inv, pdst_c, psrc_c) in enumerate(staged):
         T, M = len(members), len(pieces.dst_pos)
         if gi not in splits and M:
             if gi not in choice_groups:
@@ -756,7 +756,7 @@ def _balance(staged, choice, fixed_src, fixed_bytes, balance: bool):
         pad[:, : dense.shape[1]] = dense
         tables.append(pad)
         blocks.append((np.full(len(rows), b), np.arange(len(rows)), cls + offset, nbytes.astype(np.float64),
-                       staged[gi][5][rows]))
+                       staged[gi][4][rows]))
         offset += len(table)
     rdst = np.concatenate([x[4] for x in blocks])  # receiver of each row
     blk = np.concatenate([x[0] for x in blocks])

@@ -650,10 +650,10 @@ class _Executor:
         results: dict[tuple[int, int], jax.Array] = self._memcpy(shard) if self.copies else {}
         if self.host_packing:
             results.update(self._host_waves(shard))
-        for w, prog in enumerate([] if self.host_packing else self.waves):
-            if w > 0:
-                # Bound staging memory: the previous wave finishes before the next starts.
-                jax.block_until_ready([results[k] for k in last])
+        last: list[tuple[int, int]] = []  # what the previous wave wrote
+        for prog in [] if self.host_packing else self.waves:
+            # Bound staging memory: the previous wave finishes before the next starts.
+            jax.block_until_ready([results[k] for k in last])
             packed: dict[tuple[int, int], jax.Array] = {}
             for s, (fn, leaves, bufs) in prog.packs.items():
                 outs = fn(*(shard(i, s) for i in leaves))

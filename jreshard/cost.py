@@ -361,9 +361,9 @@ def _hier_parts(dst: Layout, topo: Topology, cache: dict) -> list:
             groups.append(("direct", Mesh(units[sorted(direct)].reshape((len(direct),) + rest_shape), names), None))
         for d, us in sorted(by_dom.items()):
             groups.append((f"domain{d}", Mesh(units[us].reshape((len(us),) + rest_shape), names), rep))
-        groups = (dst.mesh, groups)
+        groups = (dst.mesh, groups)  # the mesh is kept so that its id() in the key stays its own
         cache[key] = groups
-    mesh0, parts = groups
+    _, parts = groups
     if len(parts) == 1 and parts[0][2] is None:
         return [("direct", dst, None)]
     # Tensors of one shape share their stage layouts: build them once.
