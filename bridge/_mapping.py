@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from jreshard._layout import canonical_dtype
+from jreshard.core.layout import canonical_dtype
 from jreshard.nn.config import LlamaConfig
 
 from bridge._source import Source

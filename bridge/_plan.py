@@ -317,7 +317,7 @@ class BridgePlan:
 
     def reference(self, arrays: MappingABC[str, np.ndarray]) -> dict[int, dict[str, np.ndarray]]:
         """The NumPy oracle: every rank's targets filled from global leaf arrays (zeros elsewhere)."""
-        from jreshard.reference import _np_dtype
+        from jreshard.core.reference import _np_dtype
 
         out: dict[int, dict[str, np.ndarray]] = defaultdict(dict)
         for t in self.mapping.targets:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from jreshard import reference
-from jreshard._layout import Box, Layout
-from jreshard._mesh import Mesh
-from jreshard._planner import (
+from jreshard.core import reference
+from jreshard.core.layout import Box, Layout
+from jreshard.core.mesh import Mesh
+from jreshard.core.planner import (
     Move,
     Plan,
     PlanError,
@@ -45,17 +45,27 @@ __all__ = [
 
 # Names served by optional layers, imported on first use so that `import jreshard`
 # works on machines without jax (a torch-only inference server plans with it too).
-_LAZY: dict[str, str] = {"transfer": "jreshard._transfer", "release_transfer_buffers": "jreshard._transfer"}
+_LAZY: dict[str, str] = {
+    "transfer": "jreshard.jax_executor.transfer",
+    "release_transfer_buffers": "jreshard.jax_executor.transfer",
+}
 # Submodules reachable as attributes (`jreshard.cost.predict(...)`) without importing
 # them up front: `viz` needs matplotlib, `nn` flax, the rest only the planner.
-_SUBMODULES = frozenset({"catalog", "cost", "nn", "presets", "scenario", "viz"})
+_SUBMODULES = {
+    "catalog": "jreshard.fleet.catalog",
+    "cost": "jreshard.fleet.cost",
+    "presets": "jreshard.fleet.presets",
+    "scenario": "jreshard.fleet.scenario",
+    "nn": "jreshard.nn",
+    "viz": "jreshard.viz",
+}
 
 
 def __getattr__(name: str) -> Any:
     import importlib
 
     if name in _SUBMODULES:
-        return importlib.import_module(f"jreshard.{name}")
+        return importlib.import_module(_SUBMODULES[name])
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'jreshard' has no attribute {name!r}")

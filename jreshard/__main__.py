@@ -7,7 +7,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jreshard._cli import add_plan_parser, run_plan
+    from jreshard.cli.plan import add_plan_parser, run_plan
 
     parser = argparse.ArgumentParser(prog="jreshard", description="Plan and run sharded-tensor reshards.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     add_plan_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "demo":
-        from jreshard._demo import main as demo
+        from jreshard.cli.demo import main as demo
 
         return demo()
     if args.command == "plan":

@@ -35,8 +35,8 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("jreshard.viz needs matplotlib; install it with `pip install 'jreshard[viz]'`.") from exc
 
-from jreshard._layout import Layout
-from jreshard._planner import Plan, PlanStats, TensorPlan, _fmt
+from jreshard.core.layout import Layout
+from jreshard.core.planner import Plan, PlanStats, TensorPlan, _fmt
 
 __all__ = [
     "device_colors",

@@ -89,8 +89,8 @@ def test_module_entry_point_and_demo_still_listed():
 
 def test_moe_scenario_at_full_size():
     # Qwen3-235B-A22B, ~37,000 tensors, TP2 CP2 EP16 PP4 -> TP8 DP8 on GB200.
-    from jreshard._cli import plan_report
-    from jreshard.scenario import load_scenario
+    from jreshard.cli.plan import plan_report
+    from jreshard.fleet.scenario import load_scenario
 
     r = plan_report(load_scenario("qwen3-235b-tp2cp2ep16pp4-to-tp8dp8"))
     assert r["tensors"] == 36945

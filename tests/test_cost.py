@@ -9,7 +9,7 @@ import pytest
 
 import jreshard
 from jreshard import Layout, Mesh, cost, reference
-from jreshard.cost import Topology, Traffic
+from jreshard.fleet.cost import Topology, Traffic
 
 # 2 GPUs per domain, NVLink 100 GB/s, network 10 GB/s per direction.
 TOPO = Topology(gpus_per_domain=2, nvlink_GBps=100, network_GBps=10, latency_us=0)

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import jreshard
 from jreshard import Layout, Mesh
-from jreshard._jax_plan import parse, path_name
+from jreshard.jax_executor.adapter import parse, path_name
 
 DEVICES = np.array(jax.devices())
 TRAIN = jax.sharding.Mesh(DEVICES[:4], ("fsdp",))

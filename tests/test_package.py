@@ -39,7 +39,7 @@ def test_core_imports_and_plans_without_jax_or_torch():
     assert out.stdout.strip().endswith("ok")
 
 
-@pytest.mark.parametrize("module", ["jreshard._mesh", "jreshard._layout", "jreshard._planner"])
+@pytest.mark.parametrize("module", ["jreshard.core.mesh", "jreshard.core.layout", "jreshard.core.planner"])
 def test_docstring_examples(module):
     mod = __import__(module, fromlist=["_"])
     result = doctest.testmod(mod, optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
@@ -73,8 +73,10 @@ def test_submodules_load_on_first_use():
     code = BLOCKER + textwrap.dedent(
         """
         import sys, jreshard
-        assert 'jreshard.cost' not in sys.modules
+        assert 'jreshard.fleet.cost' not in sys.modules
         assert jreshard.cost.predict is not None and jreshard.catalog.num_params is not None
+        import jreshard.cost, jreshard.fleet.cost
+        assert jreshard.cost is jreshard.fleet.cost  # the old import path is the same module
         assert 'matplotlib' not in sys.modules
         print('ok')
         """

@@ -134,7 +134,7 @@ def test_plan_cache_and_pieces_reuse():
     tree_src = {f"l{i}": src for i in range(10)}
     tree_dst = {f"l{i}": dst for i in range(10)}
     assert plan(tree_src, tree_dst) is plan(tree_src, tree_dst)
-    from jreshard._planner import _pieces
+    from jreshard.core.planner import _pieces
 
     info = _pieces.cache_info()
     assert info.currsize == 1  # ten repeated layers share one piece template

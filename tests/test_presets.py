@@ -9,7 +9,7 @@ import pytest
 
 import jreshard
 from jreshard import catalog, presets
-from jreshard.presets import InferParallel, TrainParallel
+from jreshard.fleet.presets import InferParallel, TrainParallel
 from tests._oracle import assert_plan_ok
 
 TINY = catalog.tensors("llama-tiny")

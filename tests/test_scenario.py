@@ -8,7 +8,7 @@ import json
 import pytest
 
 from jreshard import scenario
-from jreshard.scenario import ScenarioError, load_scenario
+from jreshard.fleet.scenario import ScenarioError, load_scenario
 
 
 @pytest.mark.parametrize("name", scenario.scenario_names())

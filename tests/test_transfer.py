@@ -19,7 +19,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jreshard
-from jreshard import _transfer, reference
+from jreshard import reference
+from jreshard.jax_executor import transfer as _transfer
 
 DEVICES = np.array(jax.devices())
 TRAIN = jax.sharding.Mesh(DEVICES[:4], ("fsdp",))

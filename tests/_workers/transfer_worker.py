@@ -63,7 +63,7 @@ def main() -> None:
                 want = full[name][shard.index]
                 ok &= np.array_equal(np.asarray(shard.data).view(np.uint8), np.ascontiguousarray(want).view(np.uint8))
         results[f"run{attempt}"] = bool(ok)
-    from jreshard import _transfer
+    from jreshard.jax_executor import transfer as _transfer
 
     traces = _transfer._TRACES
     out = jreshard.transfer(params, dst, plan=plan)

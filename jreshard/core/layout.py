@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from jreshard._mesh import Mesh
+from jreshard.core.mesh import Mesh
 
 __all__ = ["Layout", "Box", "canonical_dtype", "itemsize_of"]
 

@@ -10,9 +10,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from jreshard import catalog, cost
-from jreshard._planner import PlanStats, clear_cache, plan
-from jreshard.scenario import Scenario, ScenarioError, load_scenario
+from jreshard.fleet import catalog, cost
+from jreshard.core.planner import PlanStats, clear_cache, plan
+from jreshard.fleet.scenario import Scenario, ScenarioError, load_scenario
 
 __all__ = ["add_plan_parser", "run_plan", "plan_report"]
 

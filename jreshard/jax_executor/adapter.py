@@ -21,9 +21,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
-from jreshard._layout import Layout, canonical_dtype
-from jreshard._mesh import Mesh
-from jreshard._planner import Plan, plan_layouts
+from jreshard.core.layout import Layout, canonical_dtype
+from jreshard.core.mesh import Mesh
+from jreshard.core.planner import Plan, plan_layouts
 
 __all__ = ["Leaves", "parse", "plan_from_jax", "path_name"]
 

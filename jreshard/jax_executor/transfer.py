@@ -57,9 +57,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jreshard._jax_plan import Leaves, parse
-from jreshard._planner import Plan, TensorPlan
-from jreshard._tree import path_str
+from jreshard.jax_executor.adapter import Leaves, parse
+from jreshard.core.planner import Plan, TensorPlan
+from jreshard.core.tree import path_str
 
 __all__ = ["transfer", "release_transfer_buffers", "DEFAULT_MAX_BYTES_IN_FLIGHT", "TRANSPORTS"]
 

@@ -27,8 +27,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from jreshard._layout import Box, Layout, _grid, _Grid, itemsize_of
-from jreshard._tree import _sorted_keys, describe, flatten, path_str
+from jreshard.core.layout import Box, Layout, _grid, _Grid, itemsize_of
+from jreshard.core.tree import _sorted_keys, describe, flatten, path_str
 
 __all__ = ["Move", "TensorPlan", "Plan", "PlanStats", "plan", "plan_layouts", "PlanError", "clear_cache", "check_tensor_plan"]
 
@@ -1030,7 +1030,7 @@ def plan(src: Any, dst: Any, *, balance: bool = True, **kwargs: Any) -> TensorPl
         return hit
     src_paths, src_leaves, src_def = flatten(src)
     if src_leaves and any(_is_jax_like(x) for x in src_leaves):
-        from jreshard import _jax_plan  # the JAX executor's adapter; imports jax
+        from jreshard.jax_executor import adapter as _jax_plan  # the JAX executor's adapter; imports jax
 
         return _jax_plan.plan_from_jax(src, dst, balance=balance, **kwargs)
     if kwargs:

@@ -60,7 +60,7 @@ def main() -> int:
     from jax.sharding import PartitionSpec as P
 
     import jreshard
-    from jreshard import reference
+    from jreshard.core import reference
 
     if len(jax.devices()) < 8:
         print(f"the demo needs 8 devices; jax has {len(jax.devices())} (was jax imported before the demo set XLA_FLAGS?)")

@@ -1,0 +1,1 @@
+"""The ``jreshard`` command: ``plan`` and ``demo``."""

@@ -1,0 +1,191 @@
+"""Weight-sync scenarios: a model, training and inference parallelism, and hardware.
+
+A scenario file has the format of ``jreshard/data/systems/*.json``::
+
+  {"model": "qwen3-32b",
+   "train": {"gpus": 32, "tp": 4, "pp": 4, "dp": 2},
+   "infer": {"gpus": 32, "tp": 4, "dp": 8},
+   "hardware": "dgx-h100",
+   "dtype": "bfloat16"}
+
+Optional fields: ``colocated`` (training and inference share device ids; otherwise
+inference devices follow the training ones), ``gpus_per_domain_override``,
+``published`` (figures quoted publicly, seconds per full sync), ``notes``.
+``model`` and ``hardware`` name files of the package data, or are paths to a
+Hugging Face-style ``config.json`` / a hardware JSON file.
+
+Example:
+  >>> from jreshard import scenario
+  >>> s = scenario.load_scenario({"model": "llama-tiny", "train": {"gpus": 4, "fsdp": 4},
+  ...                             "infer": {"gpus": 4, "tp": 2, "dp": 2}, "hardware": "dgx-h100"})
+  >>> src, dst = s.layouts()
+  >>> len(src), s.infer_devices()
+  (39, range(4, 8))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import numbers
+import os
+from collections.abc import Mapping
+from importlib import resources
+from typing import Any
+
+from jreshard.fleet import catalog, cost
+from jreshard.core.layout import Layout, canonical_dtype
+from jreshard.fleet.presets import InferParallel, TrainParallel, infer_layouts, train_layouts
+
+__all__ = ["Scenario", "load_scenario", "scenario_names", "ScenarioError"]
+
+_TOP = {"model", "train", "infer", "hardware", "dtype", "colocated", "gpus_per_domain_override", "published",
+        "notes", "name"}
+_TRAIN = {f.name for f in dataclasses.fields(TrainParallel)} | {"gpus"}
+_INFER = {f.name for f in dataclasses.fields(InferParallel)} | {"gpus"}
+
+
+class ScenarioError(ValueError):
+    """A scenario file is malformed; the message names the field."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class Scenario:
+    """One weight sync: model, both sides' parallelism and devices, hardware."""
+
+    name: str
+    model: catalog.ModelConfig
+    train: TrainParallel
+    infer: InferParallel
+    train_gpus: int
+    infer_gpus: int
+    hardware: cost.Hardware
+    dtype: str | None = None
+    colocated: bool = False
+    gpus_per_domain: int | None = None
+    published: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def train_devices(self) -> range:
+        return range(self.train_gpus)
+
+    def infer_devices(self) -> range:
+        start = 0 if self.colocated else self.train_gpus
+        return range(start, start + self.infer_gpus)
+
+    def topology(self) -> cost.Topology:
+        return cost.Topology.from_hardware(self.hardware, self.gpus_per_domain)
+
+    def tensors(self, experts: str = "separate") -> list[catalog.TensorInfo]:
+        return catalog.tensors(self.model, experts=experts, dtype=self.dtype)
+
+    def layouts(self, experts: str = "separate") -> tuple[dict[str, Layout], dict[str, Layout]]:
+        """(training layouts, inference layouts), flat dicts keyed by Hugging Face name."""
+        infos = self.tensors(experts)
+        return (train_layouts(infos, self.train, self.train_devices()),
+                infer_layouts(infos, self.infer, self.infer_devices()))
+
+
+def scenario_names() -> tuple[str, ...]:
+    files = resources.files("jreshard").joinpath("data/systems").iterdir()
+    return tuple(sorted(f.name[:-5] for f in files if f.name.endswith(".json")))
+
+
+def _positive_int(where: str, field: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+        raise ScenarioError(f"{where}: field {field!r} must be a positive int, got {v!r}.")
+    return int(v)
+
+
+def _side(where: str, data: Mapping, field: str, allowed: set, cls: type) -> tuple[Any, int]:
+    if field not in data:
+        raise ScenarioError(f"{where}: field {field!r} is missing; give for example {{\"gpus\": 8, \"tp\": 8}}.")
+    side = data[field]
+    if not isinstance(side, Mapping):
+        raise ScenarioError(f"{where}: field {field!r} must be an object of degrees, got {side!r}.")
+    unknown = sorted(set(side) - allowed)
+    if unknown:
+        raise ScenarioError(f"{where}: field '{field}.{unknown[0]}' is not known; {field} takes {sorted(allowed)}.")
+    degrees = {k: _positive_int(where, f"{field}.{k}", v) for k, v in side.items() if k != "gpus"}
+    par = cls(**degrees)
+    if "gpus" in side:
+        gpus = _positive_int(where, f"{field}.gpus", side["gpus"])
+    elif cls is InferParallel:
+        gpus = par.tp * par.dp
+    else:
+        # Experts fold into the data-parallel ranks (Megatron): a stage holds both groups.
+        gpus = par.pp * math.lcm(par.tp * par.cp * par.fsdp * par.dp, par.ep * par.expert_tp)
+    try:
+        par.world(gpus) if cls is TrainParallel else par.check(gpus)
+    except ValueError as exc:
+        raise ScenarioError(f"{where}: field {field!r}: {exc}") from None
+    return par, gpus
+
+
+def load_scenario(spec: str | os.PathLike | Mapping, *, name: str | None = None) -> Scenario:
+    """Reads a scenario from a built-in name, a JSON path, or a mapping.
+
+    Raises:
+      ScenarioError (a ValueError): a field is missing, unknown or bad; the message names it.
+    """
+    if isinstance(spec, Mapping):
+        data, where = dict(spec), f"scenario {name or '<dict>'}"
+    elif isinstance(spec, (str, os.PathLike)):
+        path = os.fspath(spec)
+        if path in scenario_names():
+            text = resources.files("jreshard").joinpath(f"data/systems/{path}.json").read_text()
+            where = f"scenario {path!r}"
+        elif os.path.exists(path):
+            with open(path) as f:
+                text = f.read()
+            where = f"scenario file {path!r}"
+        else:
+            raise ScenarioError(f"scenario {path!r} is neither a built-in name {scenario_names()} nor an existing file.")
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ScenarioError(f"{where} is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ScenarioError(f"{where} must hold a JSON object, got {type(data).__name__}.")
+        name = name or os.path.basename(path).removesuffix(".json")
+    else:
+        raise TypeError(f"scenario must be a name, a path or a dict, got {type(spec).__name__}.")
+    unknown = sorted(set(data) - _TOP)
+    if unknown:
+        raise ScenarioError(f"{where}: field {unknown[0]!r} is not known; scenario fields are {sorted(_TOP)}.")
+    if "model" not in data:
+        raise ScenarioError(f"{where}: field 'model' is missing; name one of {catalog.models()}.")
+    model_spec = data["model"]
+    try:
+        if isinstance(model_spec, str) and model_spec.endswith(".json") and os.path.exists(model_spec):
+            model = catalog.register_model(model_spec)
+        else:
+            model = catalog.get_model(model_spec)
+    except (TypeError, ValueError) as exc:
+        raise ScenarioError(f"{where}: field 'model': {exc}") from None
+    train, train_gpus = _side(where, data, "train", _TRAIN, TrainParallel)
+    infer, infer_gpus = _side(where, data, "infer", _INFER, InferParallel)
+    if "hardware" not in data:
+        raise ScenarioError(f"{where}: field 'hardware' is missing; name one of {cost.hardware_names()}.")
+    try:
+        hw = cost.load_hardware(data["hardware"])
+    except (TypeError, ValueError) as exc:
+        raise ScenarioError(f"{where}: field 'hardware': {exc}") from None
+    try:
+        dtype = canonical_dtype(data.get("dtype"))
+    except TypeError as exc:
+        raise ScenarioError(f"{where}: field 'dtype': {exc}") from None
+    colocated = data.get("colocated", False)
+    if not isinstance(colocated, bool):
+        raise ScenarioError(f"{where}: field 'colocated' must be true or false, got {colocated!r}.")
+    if colocated and train_gpus != infer_gpus:
+        raise ScenarioError(f"{where}: field 'colocated' needs as many inference as training devices, "
+                            f"got {infer_gpus} and {train_gpus}.")
+    gpd = data.get("gpus_per_domain_override")
+    if gpd is not None:
+        gpd = _positive_int(where, "gpus_per_domain_override", gpd)
+    published = data.get("published", {})
+    if not isinstance(published, Mapping):
+        raise ScenarioError(f"{where}: field 'published' must be an object, got {published!r}.")
+    return Scenario(data.get("name") or name or model.name, model, train, infer, train_gpus, infer_gpus, hw, dtype,
+                    colocated, gpd, dict(published))
