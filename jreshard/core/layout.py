@@ -10,46 +10,11 @@ from typing import Any
 
 import numpy as np
 
+from jreshard.core.box import Box
+from jreshard.core.dtypes import canonical_dtype, itemsize_of
 from jreshard.core.mesh import Mesh
 
 __all__ = ["Layout", "Box", "canonical_dtype", "itemsize_of"]
-
-Box = tuple[slice, ...]
-
-
-def canonical_dtype(dtype: Any, *, arg: str = "dtype") -> str | None:
-    """The canonical name of a NumPy / ml_dtypes dtype (``None`` stays ``None``)."""
-    if dtype is None:
-        return None
-    try:
-        return np.dtype(dtype).name
-    except TypeError:
-        pass
-    name = dtype if isinstance(dtype, str) else getattr(dtype, "name", None) or getattr(dtype, "__name__", None)
-    if isinstance(name, str):
-        try:
-            import ml_dtypes
-
-            return np.dtype(getattr(ml_dtypes, name)).name
-        except (ImportError, AttributeError, TypeError):
-            pass
-    raise TypeError(
-        f"{arg} must be a NumPy or ml_dtypes dtype or its name, got {dtype!r}; "
-        "use for example 'float32' or 'bfloat16'."
-    )
-
-
-@functools.lru_cache(maxsize=None)
-def itemsize_of(dtype: str | None) -> int:
-    """Bytes per element of a canonical dtype name; 1 (count elements) for ``None``."""
-    if dtype is None:
-        return 1
-    try:
-        return np.dtype(dtype).itemsize
-    except TypeError:
-        import ml_dtypes
-
-        return np.dtype(getattr(ml_dtypes, dtype)).itemsize
 
 
 def _is_partition_spec(spec: Any) -> bool:
@@ -265,17 +230,16 @@ class Layout:
         """The box ``device`` holds, one ``slice`` per dim in global coordinates."""
         pos = self.mesh.position(device)
         g = self.grid
-        return tuple(slice(int(a), int(b)) for a, b in zip(g.start[pos], g.stop[pos], strict=True))
+        return Box._trusted(g.start[pos], g.stop[pos])
 
     def shard_shape(self, device: int) -> tuple[int, ...]:
-        return tuple(s.stop - s.start for s in self.shard_box(device))
+        return self.shard_box(device).shape
 
     def shards(self) -> dict[int, Box]:
         """Every device's shard, in mesh order."""
         g = self.grid
         return {
-            d: tuple(slice(int(a), int(b)) for a, b in zip(g.start[i], g.stop[i], strict=True))
-            for i, d in enumerate(self.mesh.device_ids)
+            d: Box._trusted(g.start[i], g.stop[i]) for i, d in enumerate(self.mesh.device_ids)
         }
 
     def replica_groups(self) -> tuple[tuple[int, ...], ...]:
@@ -337,4 +301,4 @@ def _parse_box(box: Any, shape: tuple[int, ...]) -> Box:
             raise TypeError(f"box must hold slice(start, stop) entries, got {s!r} in {box!r}.")
         start, stop, _ = s.indices(n)
         out.append(slice(start, max(start, stop)))
-    return tuple(out)
+    return Box(out)

@@ -261,7 +261,7 @@ class TensorPlan:
     def moves(self) -> tuple[Move, ...]:
         if self._moves is None:
             self._moves = tuple(
-                Move(int(s), int(d), tuple(slice(int(a), int(b)) for a, b in zip(lo, hi, strict=True)))
+                Move(int(s), int(d), Box._trusted(lo, hi))
                 for s, d, lo, hi in zip(self.move_src, self.move_dst, self.move_lo, self.move_hi, strict=True)
             )
         return self._moves

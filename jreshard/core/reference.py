@@ -11,7 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from jreshard.core.layout import Box, Layout
+from jreshard.core.box import Box
+from jreshard.core.dtypes import numpy_dtype
+from jreshard.core.layout import Layout
 from jreshard.core.planner import Plan, TensorPlan
 
 __all__ = ["shard", "execute", "execute_plan", "local_region"]
@@ -19,7 +21,7 @@ __all__ = ["shard", "execute", "execute_plan", "local_region"]
 
 def local_region(box: Box, shard: Box) -> tuple[slice, ...]:
     """``box`` (global coordinates) in the coordinates of the ``shard`` that holds it."""
-    return tuple(slice(b.start - s.start, b.stop - s.start) for b, s in zip(box, shard, strict=True))
+    return Box(box).relative_to(shard).slices()
 
 
 def shard(array: np.ndarray, layout: Layout) -> dict[int, np.ndarray]:
@@ -49,7 +51,7 @@ def execute(tplan: TensorPlan, src_shards: dict[int, np.ndarray], dtype: Any = N
         if tuple(src_shards[d].shape) != want:
             raise ValueError(f"src_shards[{d}] has shape {src_shards[d].shape}, but the layout gives it {want}.")
     any_shard = next(iter(src_shards.values()))
-    out_dtype = np.dtype(dtype) if dtype is not None else (_np_dtype(dst.dtype) or any_shard.dtype)
+    out_dtype = numpy_dtype(dtype) if dtype is not None else (numpy_dtype(dst.dtype) or any_shard.dtype)
     out = {d: np.zeros(tuple(s.stop - s.start for s in box), dtype=out_dtype) for d, box in dst_boxes.items()}
     for m in tplan.moves:
         piece = src_shards[m.src][local_region(m.box, src_boxes[m.src])]
@@ -62,12 +64,5 @@ def execute_plan(p: Plan, src_shards: dict[str, dict[int, np.ndarray]]) -> dict[
     return {path: execute(tp, src_shards[path]) for path, tp in p.items()}
 
 
-def _np_dtype(name: str | None) -> np.dtype | None:
-    if name is None:
-        return None
-    try:
-        return np.dtype(name)
-    except TypeError:
-        import ml_dtypes
-
-        return np.dtype(getattr(ml_dtypes, name))
+# Kept for callers that imported the private name; use jreshard.core.dtypes.numpy_dtype.
+_np_dtype = numpy_dtype

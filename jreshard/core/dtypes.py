@@ -1,0 +1,80 @@
+"""The one dtype resolver: canonical names, item sizes and NumPy dtypes.
+
+Layouts carry a dtype as its canonical name (``'float32'``, ``'bfloat16'``), which
+NumPy, ml_dtypes, jax and torch all understand. Only numeric dtypes (bool
+included) are accepted: a reshard moves numbers.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+__all__ = ["canonical_dtype", "itemsize_of", "numpy_dtype"]
+
+_HINT = "use for example 'float32', 'bfloat16' or 'int8'"
+
+
+def _resolve(dtype: Any, arg: str) -> np.dtype:
+    try:
+        resolved = np.dtype(dtype)
+    except (TypeError, ValueError):
+        # jnp.bfloat16 and similar scalar types, or ml_dtypes names NumPy does not know.
+        name = dtype if isinstance(dtype, str) else getattr(dtype, "name", None) or getattr(dtype, "__name__", None)
+        found = getattr(ml_dtypes, name, None) if isinstance(name, str) else None
+        if found is None:
+            raise TypeError(f"{arg} must be a NumPy or ml_dtypes dtype or its name, got {dtype!r}; {_HINT}.") from None
+        resolved = np.dtype(found)
+    if resolved.kind not in "biufc" and resolved.type.__module__ != "ml_dtypes":
+        raise TypeError(
+            f"{arg} must be a numeric dtype (bool, integer, floating or complex, ml_dtypes included), "
+            f"got {resolved}; {_HINT}."
+        )
+    return resolved
+
+
+def canonical_dtype(dtype: Any, *, arg: str = "dtype") -> str | None:
+    """The canonical name of a numeric dtype given as a dtype, a scalar type or a name.
+
+    ``None`` stays ``None`` (a layout without a dtype counts elements). ``arg`` names
+    the argument in the error message.
+
+    Example:
+      >>> canonical_dtype(np.float32), canonical_dtype("bfloat16"), canonical_dtype(None)
+      ('float32', 'bfloat16', None)
+    """
+    if dtype is None:
+        return None
+    return _resolve(dtype, arg).name
+
+
+@functools.lru_cache(maxsize=None)
+def _itemsize(name: str) -> int:
+    return _resolve(name, "dtype").itemsize
+
+
+def itemsize_of(dtype: Any) -> int:
+    """Bytes per element of a dtype (or its name); 1 for ``None``, which counts elements.
+
+    Example:
+      >>> itemsize_of("bfloat16"), itemsize_of("float8_e4m3fn"), itemsize_of(None)
+      (2, 1, 1)
+    """
+    if dtype is None:
+        return 1
+    return _itemsize(dtype) if isinstance(dtype, str) else _resolve(dtype, "dtype").itemsize
+
+
+def numpy_dtype(dtype: Any, *, arg: str = "dtype") -> np.dtype | None:
+    """The ``numpy.dtype`` of a numeric dtype or its name (ml_dtypes for bfloat16, float8, ...).
+
+    Example:
+      >>> numpy_dtype("bfloat16") == np.dtype(ml_dtypes.bfloat16), numpy_dtype(None)
+      (True, None)
+    """
+    if dtype is None:
+        return None
+    return _resolve(dtype, arg)
