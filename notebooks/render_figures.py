@@ -74,7 +74,8 @@ FIGURES: dict[str, Callable[[], Figure]] = {
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "images", help="folder for the PNG files")
-    parser.add_argument("--only", action="append", choices=sorted(FIGURES), help="render only this picture (repeatable)")
+    parser.add_argument("--only", action="append", choices=sorted(FIGURES),
+                        help="render only this picture (repeatable)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.only or sorted(FIGURES):

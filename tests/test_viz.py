@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import doctest
+import importlib
+import inspect
 import io
+import pkgutil
 import subprocess
 import sys
 import textwrap
@@ -44,9 +47,9 @@ def png_bytes(fig) -> bytes:
 
 
 def box_xywh(layout, box):
-    if layout.rank == 2:
+    if len(layout.shape) == 2:
         rows, cols = box
-    elif layout.rank == 1:
+    elif len(layout.shape) == 1:
         rows, cols = slice(0, 1), box[0]
     else:
         rows, cols = slice(0, 1), slice(0, 1)
@@ -66,7 +69,8 @@ def test_draw_layout_draws_each_shard_once_with_its_replicas(name, layout):
     got = {p.get_gid(): (p.get_x(), p.get_y(), p.get_width(), p.get_height()) for p in gids(ax, "shard:")}
     assert got == want
     chips = sorted(int(p.get_gid().split(":")[1]) for p in gids(ax, "replica:"))
-    want_chips = sorted(d for g in layout.replica_groups() if len(g) > 1 and f"shard:{','.join(map(str, g))}" in want for d in g)
+    replicated = [g for g in layout.replica_groups() if len(g) > 1 and f"shard:{','.join(map(str, g))}" in want]
+    want_chips = sorted(d for g in replicated for d in g)
     assert chips == want_chips
     # The boxes tile the tensor: their areas add up to the global size.
     assert sum(w * h for _, _, w, h in got.values()) == max(layout.size, 1)
@@ -150,9 +154,9 @@ def test_traffic_matrix_agrees_with_moves_and_stats():
 def test_traffic_matrix_of_one_tensor_plan_with_sparse_device_ids():
     a = Layout((8, 4), Mesh([10, 30], "x"), ("x",), dtype="int8")
     b = Layout((8, 4), Mesh([[7], [200]], ("x", "y")), (None, "x"))
-    senders, receivers, matrix = viz.traffic_matrix(jreshard.plan(a, b))
-    assert (senders, receivers) == ((10, 30), (7, 200))
-    np.testing.assert_array_equal(matrix, [[8, 8], [8, 8]])
+    traffic = viz.traffic_matrix(jreshard.plan(a, b))
+    assert (traffic.senders, traffic.receivers) == ((10, 30), (7, 200))
+    np.testing.assert_array_equal(traffic.matrix, [[8, 8], [8, 8]])
 
 
 def test_draw_traffic_sources_by_destinations_with_disjoint_domains():
@@ -228,7 +232,8 @@ def test_draw_comparison_bars_and_ratios():
     fig = viz.draw_comparison(nbytes, seconds)
     left, right = fig.axes
     assert {b.get_gid(): b.get_width() for b in gids(left, "bytes:")} == {f"bytes:{k}": v for k, v in nbytes.items()}
-    assert {b.get_gid(): b.get_width() for b in gids(right, "seconds:")} == {f"seconds:{k}": v for k, v in seconds.items()}
+    want_seconds = {f"seconds:{k}": v for k, v in seconds.items()}
+    assert {b.get_gid(): b.get_width() for b in gids(right, "seconds:")} == want_seconds
     texts = [t.get_text() for t in left.texts]
     assert texts == ["2.00 GiB (1.00x)", "2.00 GiB (1.00x)", "14.00 GiB (7.00x)"]
     assert [t.get_text() for t in right.texts][2] == "4.00 s (8.00x)"
@@ -286,28 +291,45 @@ def test_plans_that_move_nothing_still_draw():
 BIG = Layout((2, 2, 2), SERVE, ())
 ERRORS = [
     ("layout-not-layout", lambda: viz.draw_layout((4, 4)), TypeError, r"layout must be a jreshard.Layout, got tuple"),
-    ("layout-rank-3", lambda: viz.draw_layout(BIG), ValueError, r"shape \(2, 2, 2\) \(rank 3\)"),
-    ("plan-of-a-pytree", lambda: viz.draw_plan(small_pytree_plan()), TypeError, r"pass plan\[path\] for one of \['a', 'b', 'c'\]"),
+    ("layout-ndim-3", lambda: viz.draw_layout(BIG),
+     ValueError, r"shape \(2, 2, 2\) \(ndim 3\); only tensors of 0, 1 or 2 dims"),
+    ("plan-of-a-pytree", lambda: viz.draw_plan(small_pytree_plan()),
+     TypeError, r"pass plan\[path\] for one of \['a', 'b', 'c'\]"),
     ("plan-not-plan", lambda: viz.draw_plan("moves"), TypeError, r"tplan must be a jreshard.TensorPlan, got str"),
-    ("plan-rank-3", lambda: viz.draw_plan(jreshard.plan(BIG, BIG)), ValueError, r"tplan.src has shape \(2, 2, 2\)"),
-    ("traffic-not-plan", lambda: viz.traffic_matrix({"a": 1}), TypeError, r"plan must be a jreshard.Plan or TensorPlan, got dict"),
-    ("draw-traffic-bad", lambda: viz.draw_traffic("x"), TypeError, r"plan must be a jreshard.Plan, TensorPlan or a matrix of bytes, got str"),
-    ("traffic-not-2d", lambda: viz.draw_traffic(np.zeros(3)), ValueError, r"must be 2-D \(senders x receivers\), got shape \(3,\)"),
+    ("plan-ndim-3", lambda: viz.draw_plan(jreshard.plan(BIG, BIG)), ValueError, r"tplan.src has shape \(2, 2, 2\)"),
+    ("traffic-not-plan", lambda: viz.traffic_matrix({"a": 1}),
+     TypeError, r"plan must be a jreshard.Plan or TensorPlan, got dict"),
+    ("draw-traffic-bad", lambda: viz.draw_traffic("x"),
+     TypeError, r"plan must be a jreshard.Plan, TensorPlan or a matrix of bytes, got str"),
+    ("traffic-not-2d", lambda: viz.draw_traffic(np.zeros(3)),
+     ValueError, r"must be 2-D \(senders x receivers\), got shape \(3,\)"),
     ("traffic-negative", lambda: viz.draw_traffic(-np.ones((2, 2))), ValueError, r"finite, non-negative"),
-    ("traffic-senders", lambda: viz.draw_traffic(np.ones((2, 2)), senders=[1]), ValueError, r"senders has 1 ids but the matrix has 2; give one id per row"),
-    ("traffic-receivers", lambda: viz.draw_traffic(np.ones((2, 3)), receivers=[1]), ValueError, r"receivers has 1 ids but the matrix has 3; give one id per column"),
-    ("domain-size-zero", lambda: viz.draw_traffic(np.ones((2, 2)), domain_size=0), ValueError, r"domain_size must be a positive int .*got 0"),
-    ("domain-both", lambda: viz.draw_traffic(np.ones((2, 2)), domain_size=2, topology={"gpus_per_domain": 2}), ValueError, r"either domain_size or topology"),
-    ("topology-without-size", lambda: viz.draw_traffic(np.ones((2, 2)), topology=object()), TypeError, r"topology must have a 'gpus_per_domain'"),
-    ("load-not-plan", lambda: viz.draw_load([1, 2]), TypeError, r"plan must be a jreshard.Plan, TensorPlan or PlanStats, got list"),
+    ("traffic-senders", lambda: viz.draw_traffic(np.ones((2, 2)), senders=[1]),
+     ValueError, r"senders has 1 ids but the matrix has 2; give one id per row"),
+    ("traffic-receivers", lambda: viz.draw_traffic(np.ones((2, 3)), receivers=[1]),
+     ValueError, r"receivers has 1 ids but the matrix has 3; give one id per column"),
+    ("domain-size-zero", lambda: viz.draw_traffic(np.ones((2, 2)), domain_size=0),
+     ValueError, r"domain_size must be a positive int .*got 0"),
+    ("domain-both", lambda: viz.draw_traffic(np.ones((2, 2)), domain_size=2, topology={"gpus_per_domain": 2}),
+     ValueError, r"either domain_size or topology"),
+    ("topology-without-size", lambda: viz.draw_traffic(np.ones((2, 2)), topology=object()),
+     TypeError, r"topology must have a 'gpus_per_domain'"),
+    ("load-not-plan", lambda: viz.draw_load([1, 2]),
+     TypeError, r"plan must be a jreshard.Plan, TensorPlan or PlanStats, got list"),
     ("comparison-empty", lambda: viz.draw_comparison({}), TypeError, r"bytes_by_method must be a non-empty mapping"),
-    ("comparison-string", lambda: viz.draw_comparison({"a": "1 GB"}), TypeError, r"bytes_by_method\['a'\] must be a number, got str"),
-    ("comparison-negative", lambda: viz.draw_comparison({"a": -1}), ValueError, r"bytes_by_method\['a'\] must be finite and non-negative, got -1"),
-    ("comparison-nan", lambda: viz.draw_comparison({"a": 1}, {"a": float("nan")}), ValueError, r"seconds_by_method\['a'\] must be finite"),
-    ("comparison-methods", lambda: viz.draw_comparison({"a": 1}, {"b": 1}), ValueError, r"seconds_by_method names \['b'\] but bytes_by_method names \['a'\]"),
-    ("comparison-baseline", lambda: viz.draw_comparison({"a": 1}, baseline="z"), ValueError, r"baseline 'z' is not one of the methods \['a'\]"),
+    ("comparison-string", lambda: viz.draw_comparison({"a": "1 GB"}),
+     TypeError, r"bytes_by_method\['a'\] must be a number, got str"),
+    ("comparison-negative", lambda: viz.draw_comparison({"a": -1}),
+     ValueError, r"bytes_by_method\['a'\] must be finite and non-negative, got -1"),
+    ("comparison-nan", lambda: viz.draw_comparison({"a": 1}, {"a": float("nan")}),
+     ValueError, r"seconds_by_method\['a'\] must be finite"),
+    ("comparison-methods", lambda: viz.draw_comparison({"a": 1}, {"b": 1}),
+     ValueError, r"seconds_by_method names \['b'\] but bytes_by_method names \['a'\]"),
+    ("comparison-baseline", lambda: viz.draw_comparison({"a": 1}, baseline="z"),
+     ValueError, r"baseline 'z' is not one of the methods \['a'\]"),
     ("sweep-empty-x", lambda: viz.draw_sweep([], {"a": []}), ValueError, r"x must hold at least one setting"),
-    ("sweep-length", lambda: viz.draw_sweep([1, 2], {"a": [1]}), ValueError, r"bytes_by_method\['a'\] has 1 values but x has 2"),
+    ("sweep-length", lambda: viz.draw_sweep([1, 2], {"a": [1]}),
+     ValueError, r"bytes_by_method\['a'\] has 1 values but x has 2"),
     ("sweep-not-mapping", lambda: viz.draw_sweep([1], [1]), TypeError, r"bytes_by_method must be a non-empty mapping"),
 ]
 
@@ -318,10 +340,26 @@ def test_bad_input(name, fn, exc, pattern):
         fn()
 
 
-def test_docstring_examples():
-    result = doctest.testmod(viz, optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
-    assert result.attempted > 0
+VIZ_MODULES = ["jreshard.viz", *(f"jreshard.viz.{m.name}" for m in pkgutil.iter_modules(viz.__path__))]
+
+
+@pytest.mark.parametrize("name", VIZ_MODULES)
+def test_docstring_examples_are_self_contained(name):
+    # Empty globals: an example passes only if it imports what it uses.
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, globs={}, optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
+    assert result.attempted > 0, f"{name} has no docstring example"
     assert result.failed == 0
+
+
+def test_every_public_name_is_served_by_the_package():
+    assert sorted(VIZ_MODULES) == ["jreshard.viz", "jreshard.viz.common", "jreshard.viz.comparisons",
+                                   "jreshard.viz.layouts", "jreshard.viz.plans", "jreshard.viz.traffic"]
+    for name in viz.__all__:
+        value = getattr(viz, name)
+        if inspect.isfunction(value) or inspect.isclass(value):
+            assert value.__module__.startswith("jreshard.viz."), name
+    assert viz.Color == tuple[float, float, float, float]
 
 
 def test_headless_without_pyplot_and_not_imported_by_the_core():
