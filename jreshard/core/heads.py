@@ -111,8 +111,8 @@ def split_heads(num_heads: int, head_dim: int, tp: int, *, replicate: bool = Fal
                              f"use a TP degree dividing {num_heads}.")
         return HeadSplit(num_heads, head_dim, tp, 1)
     if not replicate:
-        raise ValueError(f"{what}: {tp} tensor-parallel ranks for {num_heads} heads; use a TP degree dividing "
-                         f"{num_heads} (only KV heads are replicated over extra ranks).")
+        raise ValueError(f"{what}: {tp} tensor-parallel ranks for {num_heads} heads, which are not replicated; "
+                         f"use a TP degree dividing {num_heads}.")
     if tp % num_heads:
         raise ValueError(f"{what}: {num_heads} heads cannot be replicated evenly over {tp} tensor-parallel ranks; "
                          f"use a TP degree that is a multiple or a divisor of {num_heads}.")
