@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test lint bench venv clean
 
 $(STAMP): requirements.lock pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,8 +22,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# The same checks tests/test_quality.py runs, with their full output.
+lint: $(STAMP)
+	@status=0; $(VENV)/bin/ruff check || status=1; $(VENV)/bin/mypy || status=1; \
+	  $(VENV)/bin/lint-imports || status=1; exit $$status
+
 bench: $(STAMP)
 	$(PY) benchmarks/plan_bench.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache
