@@ -13,7 +13,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 try:
@@ -23,6 +23,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("jreshard.viz needs matplotlib; install it with `pip install 'jreshard[viz]'`.") from exc
 
+from jreshard.core.box import Box
 from jreshard.core.layout import Layout
 from jreshard.core.planner import Plan, TensorPlan
 from jreshard.core.planner import _fmt as format_amount
@@ -119,7 +120,7 @@ class Rect(NamedTuple):
     height: int
 
 
-def box_rect(layout: Layout, box: Sequence[slice]) -> Rect:
+def box_rect(layout: Layout, box: Box) -> Rect:
     """The rectangle of a box of ``layout``: a 1-dim tensor is one row, a 0-dim one a unit square."""
     ndim = len(layout.shape)
     if ndim == 2:

@@ -19,6 +19,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Rectangle
 
+from jreshard.core.box import Box
 from jreshard.core.layout import Layout
 from jreshard.core.planner import TensorPlan
 from jreshard.viz.common import (
@@ -94,8 +95,7 @@ def _outline_pieces(ax: Any, tplan: TensorPlan) -> None:
     if len(rows) > _MAX_OUTLINES:
         return
     for i in rows.tolist():
-        box = tuple(slice(int(a), int(b)) for a, b in zip(tplan.move_lo[i], tplan.move_hi[i], strict=True))
-        x, y, w, h = box_rect(tplan.dst, box)
+        x, y, w, h = box_rect(tplan.dst, Box.from_bounds(tplan.move_lo[i], tplan.move_hi[i]))
         if w > 0 and h > 0:
             ax.add_patch(Rectangle((x, y), w, h, fill=False, edgecolor="black", linewidth=0.6, linestyle=(0, (2, 2)),
                                    gid=f"piece:{int(tplan.move_src[i])}->{int(tplan.move_dst[i])}"))
