@@ -115,7 +115,10 @@ def test_draw_plan_flows_match_the_moves():
     assert widths == sorted(widths)
     assert f"{tp.stats().moves} network moves" in fig.get_suptitle()
     firsts = {g[0] for g in tp.dst.replica_groups()}
-    assert len(gids(fig.axes[2], "piece:")) == sum(1 for m in tp.moves if m.dst in firsts and m.size)
+    outlined = sorted((p.get_gid(), p.get_x(), p.get_y(), p.get_width(), p.get_height())
+                      for p in gids(fig.axes[2], "move:"))
+    want = sorted((f"move:{m.src}->{m.dst}", *box_xywh(tp.dst, m.box)) for m in tp.moves if m.dst in firsts and m.size)
+    assert outlined == want and len(want) > 1
     assert png_bytes(fig).startswith(b"\x89PNG")
 
 

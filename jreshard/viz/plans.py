@@ -36,7 +36,7 @@ from jreshard.viz.layouts import draw_layout
 
 __all__ = ["draw_plan"]
 
-_MAX_OUTLINES = 400  # beyond this many pieces the outlines are a grey smear, not information
+_MAX_OUTLINES = 400  # beyond this many moves the outlines are a grey smear, not information
 
 
 def draw_plan(tplan: TensorPlan, *, title: str | None = None) -> Figure:
@@ -47,7 +47,7 @@ def draw_plan(tplan: TensorPlan, *, title: str | None = None) -> Figure:
     as thick as the bytes it carries (gid ``'flow:<src>-><dst>'``). Local copies are
     dashed grey lines (gid ``'local:<device>'``). The destination panel outlines, for
     the first holder of each shard, the boxes the plan assembles it from (when there
-    are at most 400 of them; gid ``'piece:<src>-><dst>'``).
+    are at most 400 of them; gid ``'move:<src>-><dst>'``).
 
     Args:
       tplan: the TensorPlan of one tensor (``plan[path]`` for a Plan), of 0 to 2 dims.
@@ -69,7 +69,7 @@ def draw_plan(tplan: TensorPlan, *, title: str | None = None) -> Figure:
     draw_layout(tplan.src, ax=axes[0], colors=colors, title=f"source {tplan.src.spec_str}\n{_placement(tplan.src)}")
     draw_layout(tplan.dst, ax=axes[2], colors=colors,
                 title=f"destination {tplan.dst.spec_str}\n{_placement(tplan.dst)}")
-    _outline_pieces(axes[2], tplan)
+    _outline_moves(axes[2], tplan)
     _draw_flows(axes[1], tplan, colors)
     if title is None:
         s = tplan.stats()
@@ -89,7 +89,7 @@ def _placement(layout: Layout) -> str:
     return f"{mesh_text(layout)} on {f'devices {ids[0]}-{ids[-1]}' if contiguous else f'{len(ids)} devices'}"
 
 
-def _outline_pieces(ax: Any, tplan: TensorPlan) -> None:
+def _outline_moves(ax: Any, tplan: TensorPlan) -> None:
     firsts = np.array(sorted({g[0] for g in tplan.dst.replica_groups()}), dtype=np.int64)
     rows = np.flatnonzero(np.isin(tplan.move_dst, firsts))
     if len(rows) > _MAX_OUTLINES:
@@ -98,7 +98,7 @@ def _outline_pieces(ax: Any, tplan: TensorPlan) -> None:
         x, y, w, h = box_rect(tplan.dst, Box.from_bounds(tplan.move_lo[i], tplan.move_hi[i]))
         if w > 0 and h > 0:
             ax.add_patch(Rectangle((x, y), w, h, fill=False, edgecolor="black", linewidth=0.6, linestyle=(0, (2, 2)),
-                                   gid=f"piece:{int(tplan.move_src[i])}->{int(tplan.move_dst[i])}"))
+                                   gid=f"move:{int(tplan.move_src[i])}->{int(tplan.move_dst[i])}"))
 
 
 def _draw_flows(ax: Any, tplan: TensorPlan, colors: Mapping[int, Color]) -> None:
