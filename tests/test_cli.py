@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -41,11 +42,40 @@ def test_json_keys_and_values(tmp_path, capsys):
 def test_table_from_builtin_scenario(capsys):
     rc, out, _ = run(capsys, "qwen3-32b-fsdp8-to-tp4dp2")
     assert rc == 0
-    for label in ("network bytes", "lower bound", "(met)", "gather-then-broadcast", "per sender", "per receiver",
-                  "messages", "predicted jreshard", "predicted gather+bcast", "predicted flat direct",
-                  "planning time"):
+    for label in ("bytes moved (direct)", "lower bound", "(met)", "gather-then-broadcast", "per sender (direct)",
+                  "per receiver (direct)", "messages (direct)", "predicted jreshard", "  direct delivery",
+                  "  hierarchical delivery", "predicted gather+bcast", "predicted flat direct", "planning time"):
         assert label in out, label
     assert "707 tensors" in out
+    lines = {re.split(r"\s{2,}", line.strip())[0]: line for line in out.splitlines()}
+    # Which delivery each prediction is for, and which links its bytes cross.
+    assert "with hierarchical delivery" in lines["predicted jreshard"]
+    for key in ("direct delivery", "hierarchical delivery", "predicted gather+bcast", "predicted flat direct"):
+        assert "network" in lines[key] and "NVLink" in lines[key], key
+    assert "between devices, network and NVLink" in lines["bytes moved (direct)"]
+
+
+def test_json_labels_delivery_and_links(tmp_path, capsys):
+    rc, out, err = run(capsys, "qwen3-32b-fsdp8-to-tp4dp2", "--json")
+    assert rc == 0, err
+    r = json.loads(out)
+    pred = r["predictions"]
+    assert r["delivery"] == "hierarchical" and r["hierarchical_setting"] == "auto"
+    assert [pred[k]["delivery"] for k in ("jreshard_direct", "jreshard_hierarchical", "gather_broadcast",
+                                          "flat_direct")] == ["direct", "hierarchical", "gather-then-broadcast",
+                                                              "flat direct"]
+    # Direct delivery: training and inference sit in different domains, every byte crosses the network.
+    assert pred["jreshard_direct"]["network_bytes"] == r["bytes_moved"] and pred["jreshard_direct"]["nvlink_bytes"] == 0
+    # Hierarchical: each byte enters the inference domain once (two TP4 engines share it), then NVLink.
+    hier = pred["jreshard_hierarchical"]
+    assert hier["network_bytes"] + hier["nvlink_bytes"] == r["bytes_moved"]
+    assert hier["network_bytes"] < r["bytes_moved"] and len(hier["stage_seconds"]) == 2
+    assert r["predicted_seconds"]["jreshard"] == hier["seconds"]
+    assert r["labels"]["bytes_moved"] == {"delivery": "direct",
+                                          "links": "network and NVLink (bytes between distinct devices)"}
+    assert set(r["labels"]) >= {"bytes_moved", "naive_bytes", "messages", "predicted_seconds"}
+    _, never, _ = run(capsys, "qwen3-32b-fsdp8-to-tp4dp2", "--hierarchical", "never")
+    assert "not predicted (--hierarchical never)" in never and "with direct delivery" in never
 
 
 def test_flags_match_the_scenario_file(tmp_path, capsys):
@@ -60,19 +90,33 @@ def test_flags_match_the_scenario_file(tmp_path, capsys):
         assert a[k] == b[k], k
 
 
+def flags(train, infer, *, model="llama-tiny", hardware="dgx-h100", extra=()):
+    return ["--model", model, "--train", train, "--infer", infer, "--hardware", hardware, *extra]
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--model", "llama-tiny", "--train", "tp=2"], "--infer is required"),
-    (["--model", "llama-tiny", "--train", "tp=x", "--infer", "tp=1", "--hardware", "dgx-h100"], "'tp=x'"),
-    (["--model", "llama-tiny", "--train", "tp=2,pp=2,gpus=6", "--infer", "tp=1", "--hardware", "dgx-h100"], "field 'train'"),
-    (["--model", "nope", "--train", "tp=2", "--infer", "tp=2", "--hardware", "dgx-h100"], "field 'model'"),
-    (["--model", "llama-tiny", "--train", "pp=5", "--infer", "tp=1", "--hardware", "dgx-h100"], "pp=5"),
+    (flags("tp=x", "tp=1"), "'tp=x'"),
+    (flags("tp=2,pp=2,gpus=6", "tp=1"), "--train 'tp=2,pp=2,gpus=6': a pipeline stage of 3 devices cannot hold"),
+    (flags("tp=2,tp=4", "tp=1"), "given twice"),
+    (flags("tp=2", "tp=0"), "--infer 'tp=0': .*positive ints"),
+    (flags("tp=2", "tp=2", model="nope"), "--model 'nope': model 'nope' is not in the catalog"),
+    (flags("pp=5", "tp=1"), "--train 'pp=5': pp=5 stages exceed the model's 4 layers; use pp <= 4"),
+    # llama-tiny: 8 query heads, 4 KV heads, 4 layers, intermediate size 688, no experts.
+    (flags("tp=2", "tp=16"),
+     "--infer 'tp=16': tp=16 on model.layers.0.self_attn.q_proj.weight: 16 tensor-parallel ranks for 8 heads"),
+    (flags("tp=8", "tp=8"),
+     "--train 'tp=8': tp=8 on model.layers.0.self_attn.k_proj.weight: .*use a TP degree dividing 4"),
+    (flags("tp=2", "tp=2,ep=2"), "--infer 'tp=2,ep=2': ep=2 but the model has no routed experts; use ep=1"),
+    (flags("tp=2", "tp=2", hardware="tpu"), "--hardware 'tpu'"),
+    (flags("tp=2", "tp=2", extra=["--dtype", "f7"]), "--dtype 'f7'"),
     (["qwen3-32b-fsdp8-to-tp4dp2", "--model", "qwen3-32b"], "not both"),
     (["/no/such/file.json"], "neither a built-in name"),
 ])
 def test_errors(capsys, argv, match):
     rc, out, err = run(capsys, *argv)
     assert rc == 2 and not out
-    assert err.startswith("jreshard plan: error:") and __import__("re").search(match, err), err
+    assert err.startswith("jreshard plan: error:") and re.search(match, err), err
 
 
 def test_bad_scenario_file_names_field(tmp_path, capsys):
@@ -99,9 +143,14 @@ def test_moe_scenario_at_full_size():
     # (bfloat16); replicated tensors (norms, routers) go to all 64 devices.
     from jreshard import catalog
 
+    # The model's 4 KV heads at TP8: vLLM puts each on 2 ranks, so an engine receives the
+    # KV projections twice.
     infos = catalog.tensors("qwen3-235b-a22b")
     replicated = sum(t.size for t in infos if t.role == "replicated")
-    assert r["bytes_moved"] == 2 * (8 * (catalog.num_params(infos) - replicated) + 64 * replicated)
+    kv = sum(t.size for t in infos if t.name.endswith(("k_proj.weight", "v_proj.weight")))
+    assert kv == 94 * 2 * (4 * 128) * 4096
+    sharded = catalog.num_params(infos) - replicated - kv
+    assert r["bytes_moved"] == 2 * (8 * sharded + 16 * kv + 64 * replicated)
     p = r["predicted_seconds"]
     assert p["jreshard"] < p["flat_direct"] and p["jreshard"] < p["gather_broadcast"]
     assert r["delivery"] == "hierarchical"
@@ -126,3 +175,46 @@ def test_progress_bar_on_stderr(capsys):
     rc, out, err = run(capsys, "qwen3-32b-fsdp8-to-tp4dp2", "--progress", "on", "--json")
     assert rc == 0 and json.loads(out)["tensors"] == 707
     assert "plan (cold)" in err and "cost model" in err
+
+
+def _config(tmp_path, folder, **extra):
+    """A Qwen3 config.json without a name, in a folder named like a Hugging Face repo."""
+    cfg = {"model_type": "qwen3", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+           "num_hidden_layers": 2, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 4,
+           "torch_dtype": "float32", **extra}
+    path = tmp_path / folder / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def report(capsys, *argv):
+    rc, out, err = run(capsys, *argv, "--json")
+    assert rc == 0, err
+    return json.loads(out)
+
+
+def test_config_without_name_takes_the_folder_name(tmp_path, capsys):
+    r = report(capsys, *flags("tp=2", "tp=4", model=str(_config(tmp_path, "Org-Qwen3-Mini"))))
+    assert r["model"] == "org-qwen3-mini" and r["tensors"] == 1 + 2 * 11 + 2
+
+
+def test_kv_heads_at_tp16_are_replicated_whole(tmp_path, capsys):
+    # 16 query heads, 8 KV heads of 4 rows at TP16: vLLM gives each rank one whole KV head, two
+    # ranks per head, so one engine receives each KV projection twice (not 8 half-heads once).
+    r = report(capsys, *flags("tp=2", "tp=16", model=str(_config(tmp_path, "kv8"))))
+    h, layers = 16, 2
+    kv = layers * 2 * (8 * 4) * h  # k_proj and v_proj: [32, 16] each
+    q_o = layers * 2 * (16 * 4) * h
+    mlp = layers * 3 * 32 * h
+    vocab = 2 * 64 * h  # embedding and lm_head
+    norms = layers * (2 * h + 2 * 4) + h  # input/post norms, q/k norms, final norm
+    assert r["bytes_moved"] == r["lower_bound_bytes"] == 4 * (q_o + mlp + vocab + 2 * kv + 16 * norms)
+
+
+def test_moe_config_without_name(tmp_path, capsys):
+    path = str(_config(tmp_path, "mini-moe", model_type="qwen3_moe", num_experts=4, moe_intermediate_size=8,
+                       num_experts_per_tok=2))
+    assert report(capsys, *flags("tp=2,ep=2", "tp=2,dp=2", model=path))["model"] == "mini-moe"
+    rc, _, err = run(capsys, *flags("tp=2,ep=3", "tp=2,dp=2", model=path))
+    assert rc == 2 and "--train 'tp=2,ep=3': ep=3 does not divide the model's 4 routed experts" in err

@@ -12,9 +12,10 @@ from typing import Any
 
 from jreshard.fleet import catalog, cost
 from jreshard.core.planner import PlanStats, clear_cache, plan
+from jreshard.fleet.presets import parse_degrees
 from jreshard.fleet.scenario import Scenario, ScenarioError, load_scenario
 
-__all__ = ["add_plan_parser", "run_plan", "plan_report"]
+__all__ = ["add_plan_parser", "run_plan", "plan_report", "format_report", "LABELS"]
 
 _PROGRESS_MIN_TENSORS = 5000  # below this planning takes well under a second
 
@@ -42,6 +43,9 @@ def add_plan_parser(sub: Any) -> None:
                    help="progress bar on stderr (auto: for large models on a terminal)")
 
 
+_FLAGS = {"model": "--model", "train": "--train", "infer": "--infer", "hardware": "--hardware", "dtype": "--dtype"}
+
+
 def _scenario_from_args(args: argparse.Namespace) -> Scenario:
     flags = {"--model": args.model, "--train": args.train, "--infer": args.infer, "--hardware": args.hardware}
     if args.scenario:
@@ -52,29 +56,24 @@ def _scenario_from_args(args: argparse.Namespace) -> Scenario:
     missing = [k for k, v in flags.items() if not v]
     if missing:
         raise ScenarioError(f"without a scenario file, {missing[0]} is required (flags {', '.join(flags)}).")
-    data: dict[str, Any] = {
-        "model": args.model,
-        "train": _degrees(args.train, "--train"),
-        "infer": _degrees(args.infer, "--infer"),
-        "hardware": args.hardware,
-        "colocated": bool(args.colocated),
-    }
+    data: dict[str, Any] = {"model": args.model, "hardware": args.hardware, "colocated": bool(args.colocated)}
+    for side in ("train", "infer"):
+        text = getattr(args, side)
+        try:
+            data[side] = parse_degrees(text, side, gpus=True)
+        except ValueError as exc:
+            raise ScenarioError(f"--{side} {text!r}: {exc}") from None
     if args.dtype:
         data["dtype"] = args.dtype
     if args.gpus_per_domain:
         data["gpus_per_domain_override"] = args.gpus_per_domain
-    return load_scenario(data, name=f"{args.model} train {args.train} infer {args.infer} on {args.hardware}")
-
-
-def _degrees(text: str, flag: str) -> dict[str, Any]:
-    """'tp=4,pp=2' -> {'tp': 4, 'pp': 2}; names and values are checked by the scenario loader."""
-    out: dict[str, Any] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        key, eq, val = part.partition("=")
-        if not eq or not val.strip().lstrip("-").isdigit():
-            raise ScenarioError(f"{flag} {text!r}: cannot read {part!r}; write name=int pairs such as 'tp=4,dp=2'.")
-        out[key.strip()] = int(val)
-    return out
+    try:
+        return load_scenario(data, name=f"{args.model} train {args.train} infer {args.infer} on {args.hardware}")
+    except ScenarioError as exc:
+        # Restate the scenario field as the flag that set it.
+        if exc.field not in _FLAGS:
+            raise
+        raise ScenarioError(f"{_FLAGS[exc.field]} {getattr(args, exc.field)!r}: {exc.reason}") from None
 
 
 class _Steps:
@@ -139,6 +138,7 @@ def plan_report(s: Scenario, *, experts: str = "separate", hierarchical: str = "
         "tensors": len(src),
         "train_gpus": s.train_gpus,
         "infer_gpus": s.infer_gpus,
+        # The direct plan's statistics: bytes between distinct devices, network and NVLink together.
         "bytes_moved": st.network_bytes,
         "lower_bound_bytes": st.lower_bound_bytes,
         "naive_bytes": st.naive_bytes,
@@ -152,32 +152,72 @@ def plan_report(s: Scenario, *, experts: str = "separate", hierarchical: str = "
         "plan_seconds_warm": warm,
         "predicted_seconds": cmp.seconds(),
         "delivery": cmp.delivery,
+        "hierarchical_setting": hierarchical,
         "bottleneck": cmp.jreshard.bottleneck,
+        "predictions": {
+            "jreshard_direct": _prediction(cmp.direct, "direct"),
+            "jreshard_hierarchical": _prediction(cmp.hierarchical, "hierarchical"),
+            "gather_broadcast": _prediction(cmp.gather_broadcast, "gather-then-broadcast"),
+            "flat_direct": _prediction(cmp.flat_direct, "flat direct"),
+        },
+        "labels": {**LABELS, "predicted_seconds": {"delivery": f"jreshard: {cmp.delivery}; baselines: their own",
+                                                   "links": "network and NVLink"}},
         "published": dict(s.published),
     }
+
+
+# What each figure of the report counts: which delivery, and which links its bytes cross.
+_PLAN = {"delivery": "direct", "links": "network and NVLink (bytes between distinct devices)"}
+LABELS: dict[str, dict[str, str]] = {
+    "bytes_moved": _PLAN, "lower_bound_bytes": {"delivery": "any", "links": "network and NVLink"},
+    "naive_bytes": {"delivery": "gather-then-broadcast", "links": "network and NVLink"},
+    "max_send_bytes": _PLAN, "mean_send_bytes": _PLAN, "sender_load_bound_bytes": _PLAN,
+    "max_recv_bytes": _PLAN, "mean_recv_bytes": _PLAN, "messages": _PLAN,
+}
+
+
+def _prediction(p: cost.Prediction | None, delivery: str) -> dict[str, Any] | None:
+    if p is None:
+        return None
+    return {"delivery": delivery, "seconds": p.seconds, "network_bytes": p.network_bytes,
+            "nvlink_bytes": p.nvlink_bytes, "stage_seconds": list(p.stages or (p.seconds,)),
+            "bottleneck": p.bottleneck}
 
 
 def _gb(n: float) -> str:
     return f"{n / 1e9:,.2f} GB"
 
 
+def _links(p: dict[str, Any]) -> str:
+    stages = p["stage_seconds"]
+    staged = f"; stages {' + '.join(f'{x:.3f}' for x in stages)} s" if len(stages) > 1 else ""
+    return (f"{p['seconds']:.3f} s: network {_gb(p['network_bytes'])}, NVLink {_gb(p['nvlink_bytes'])}{staged}; "
+            f"bottleneck {p['bottleneck']}")
+
+
 def format_report(r: dict[str, Any]) -> str:
-    pred = r["predicted_seconds"]
+    """The report as the table ``jreshard plan`` prints."""
     pub = {k: v for k, v in r["published"].items() if isinstance(v, (int, float))}
+    pred = r["predictions"]
+    between = "between devices, network and NVLink"
     rows = [
         ("scenario", f"{r['scenario']} ({r['model']}, {r['tensors']:,} tensors, "
                      f"{r['train_gpus']} -> {r['infer_gpus']} devices)"),
-        ("network bytes", _gb(r["bytes_moved"])),
+        ("bytes moved (direct)", f"{_gb(r['bytes_moved'])} {between}"),
         ("lower bound", _gb(r["lower_bound_bytes"]) + ("  (met)" if r["bytes_moved"] == r["lower_bound_bytes"] else "")),
-        ("gather-then-broadcast", _gb(r["naive_bytes"])),
-        ("per sender", f"max {_gb(r['max_send_bytes'])}, mean {_gb(r['mean_send_bytes'])} "
-                       f"(imbalance {r['max_send_bytes'] / r['mean_send_bytes'] if r['mean_send_bytes'] else 1:.3f}; "
-                       f"no plan does better than {_gb(r['sender_load_bound_bytes'])})"),
-        ("per receiver", f"max {_gb(r['max_recv_bytes'])}, mean {_gb(r['mean_recv_bytes'])}"),
-        ("messages", f"{r['messages']:,} sender->receiver pairs"),
-        ("predicted jreshard", f"{pred['jreshard']:.3f} s ({r['delivery']} delivery; bottleneck {r['bottleneck']})"),
-        ("predicted gather+bcast", f"{pred['gather_broadcast']:.3f} s"),
-        ("predicted flat direct", f"{pred['flat_direct']:.3f} s"),
+        ("gather-then-broadcast", f"{_gb(r['naive_bytes'])} {between}"),
+        ("per sender (direct)", f"max {_gb(r['max_send_bytes'])}, mean {_gb(r['mean_send_bytes'])} "
+                                f"(imbalance {r['max_send_bytes'] / r['mean_send_bytes'] if r['mean_send_bytes'] else 1:.3f}; "
+                                f"no plan does better than {_gb(r['sender_load_bound_bytes'])})"),
+        ("per receiver (direct)", f"max {_gb(r['max_recv_bytes'])}, mean {_gb(r['mean_recv_bytes'])}"),
+        ("messages (direct)", f"{r['messages']:,} sender->receiver pairs"),
+        ("predicted jreshard", f"{r['predicted_seconds']['jreshard']:.3f} s with {r['delivery']} delivery"),
+        ("  direct delivery", _links(pred["jreshard_direct"])),
+        ("  hierarchical delivery", _links(pred["jreshard_hierarchical"]) if pred["jreshard_hierarchical"]
+         else "not predicted (--hierarchical never)" if r["hierarchical_setting"] == "never"
+         else "does not apply (no NVLink domain holds two replicas of a tensor)"),
+        ("predicted gather+bcast", _links(pred["gather_broadcast"])),
+        ("predicted flat direct", _links(pred["flat_direct"])),
         ("planning time", f"cold {r['plan_seconds_cold']:.3f} s, warm {r['plan_seconds_warm'] * 1e3:.2f} ms"),
     ]
     if pub:

@@ -5,7 +5,8 @@ for linear weights). Each ``TensorInfo`` also carries what the parallelism
 presets need: the decoder layer it belongs to (``None`` for embeddings, the final
 norm and the head), its *role* (how tensor parallelism cuts it) and, for routed
 experts, the expert index (or ``stacked=True`` when the experts are one
-``[experts, ...]`` tensor).
+``[experts, ...]`` tensor), and for attention projections the number of heads in
+the tensor-parallel dim (split by the vLLM head rule of ``jreshard.core.heads``).
 
 Roles:
   ``embed``     vocabulary-parallel embedding ``[vocab, hidden]`` (dim 0 over tp)
@@ -19,8 +20,10 @@ Example:
   >>> t = catalog.tensors("qwen3-32b")
   >>> len(t), round(catalog.num_params(t) / 1e9, 1)
   (707, 32.8)
-  >>> t[2].name, t[2].shape, t[2].role
-  ('model.layers.0.self_attn.q_proj.weight', (8192, 5120), 'column')
+  >>> t[2].name, t[2].shape, t[2].role, t[2].heads
+  ('model.layers.0.self_attn.q_proj.weight', (8192, 5120), 'column', 64)
+  >>> t[3].name, t[3].heads, t[3].replicate_heads  # KV heads: replicated when tp exceeds them
+  ('model.layers.0.self_attn.k_proj.weight', 8, True)
 """
 
 from __future__ import annotations
@@ -42,7 +45,12 @@ _ROLES = ("embed", "head", "column", "row", "replicated")
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TensorInfo:
-    """One weight tensor: Hugging Face name, shape, dtype and how it is parallelised."""
+    """One weight tensor: Hugging Face name, shape, dtype and how it is parallelised.
+
+    ``heads`` is the number of attention heads in the tensor-parallel dim (dim 0 of
+    a column, dim 1 of a row projection), ``None`` for tensors without heads;
+    ``replicate_heads`` marks KV heads, which vLLM replicates over extra TP ranks.
+    """
 
     name: str
     shape: tuple[int, ...]
@@ -51,6 +59,8 @@ class TensorInfo:
     layer: int | None = None
     expert: int | None = None
     stacked: bool = False
+    heads: int | None = None
+    replicate_heads: bool = False
 
     @property
     def size(self) -> int:
@@ -93,6 +103,10 @@ _REQUIRED = {
                     "num_hidden_layers", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
                     "qk_rope_head_dim", "v_head_dim", "n_routed_experts"),
 }
+# Hugging Face model classes (a config's ``architectures``) for configs without ``model_type``.
+_HF_CLASSES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+               "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
+               "DeepseekV3ForCausalLM": "deepseek_v3"}
 # Hugging Face model_type values that share an architecture's tensor list.
 _ALIASES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
             "deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3"}
@@ -103,18 +117,23 @@ def load_config(config: Any, name: str | None = None) -> ModelConfig:
 
     Args:
       config: the mapping, or a path to a JSON file holding it.
-      name: the catalog name; defaults to the config's ``name`` or ``_name_or_path``.
+      name: the catalog name; defaults to the config's ``name`` or ``_name_or_path``, else (for a
+        path) the file's name, or its folder's for a file named ``config.json``; lowercased.
 
     Raises:
       TypeError: ``config`` is neither a mapping nor a path.
       ValueError: the architecture is not supported or a hyperparameter is missing.
     """
+    file_name = None
     if isinstance(config, (str, os.PathLike)):
+        file_name = _name_from_path(os.fspath(config))
         with open(config) as f:
             config = json.load(f)
     if not isinstance(config, dict):
         raise TypeError(f"config must be a dict or a path to a config.json, got {type(config).__name__}.")
     arch_raw = config.get("architecture") or config.get("model_type")
+    if arch_raw is None and isinstance(config.get("architectures"), list) and config["architectures"]:
+        arch_raw = _HF_CLASSES.get(str(config["architectures"][0]), config["architectures"][0])
     arch = _ALIASES.get(str(arch_raw)) if arch_raw is not None else None
     if arch is None:
         raise ValueError(
@@ -128,11 +147,18 @@ def load_config(config: Any, name: str | None = None) -> ModelConfig:
         v = config[k]
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ValueError(f"config field {k!r} must be a positive int, got {v!r}.")
-    model_name = name or config.get("name") or config.get("_name_or_path")
+    model_name = name or config.get("name") or config.get("_name_or_path") or file_name
     if not isinstance(model_name, str) or not model_name:
-        raise ValueError("config has no 'name'; pass name='my-model' to register it.")
+        raise ValueError("config has no 'name' nor '_name_or_path'; pass name='my-model' to register it.")
     params = tuple(sorted((k, v) for k, v in config.items() if isinstance(v, (int, float, str, bool, type(None)))))
     return ModelConfig(model_name.split("/")[-1].lower() if name is None else name, arch, params)
+
+
+def _name_from_path(path: str) -> str:
+    """``.../Qwen3-8B/config.json`` -> ``Qwen3-8B``; ``.../my-model.json`` -> ``my-model``."""
+    stem = os.path.splitext(os.path.basename(path))[0]
+    parent = os.path.basename(os.path.dirname(os.path.abspath(path)))
+    return parent if stem == "config" and parent else stem
 
 
 def _builtin() -> dict[str, ModelConfig]:
@@ -221,8 +247,10 @@ class _Adder:
         self.out, self.dtype = out, dtype
 
     def __call__(self, name: str, shape: tuple[int, ...], role: str, layer: int | None = None,
-                 expert: int | None = None, stacked: bool = False) -> None:
-        self.out.append(TensorInfo(name, tuple(int(n) for n in shape), self.dtype, role, layer, expert, stacked))
+                 expert: int | None = None, stacked: bool = False, *, heads: int | None = None,
+                 replicate_heads: bool = False) -> None:
+        self.out.append(TensorInfo(name, tuple(int(n) for n in shape), self.dtype, role, layer, expert, stacked,
+                                   heads, replicate_heads))
 
 
 def _attention(cfg: ModelConfig, add: _Adder, p: str, i: int) -> None:
@@ -233,20 +261,20 @@ def _attention(cfg: ModelConfig, add: _Adder, p: str, i: int) -> None:
         if qr:
             add(p + "q_a_proj.weight", (qr, h), "replicated", i)
             add(p + "q_a_layernorm.weight", (qr,), "replicated", i)
-            add(p + "q_b_proj.weight", (nh * (nope + rope), qr), "column", i)
+            add(p + "q_b_proj.weight", (nh * (nope + rope), qr), "column", i, heads=nh)
         else:
-            add(p + "q_proj.weight", (nh * (nope + rope), h), "column", i)
+            add(p + "q_proj.weight", (nh * (nope + rope), h), "column", i, heads=nh)
         add(p + "kv_a_proj_with_mqa.weight", (kvr + rope, h), "replicated", i)
         add(p + "kv_a_layernorm.weight", (kvr,), "replicated", i)
-        add(p + "kv_b_proj.weight", (nh * (nope + vd), kvr), "column", i)
-        add(p + "o_proj.weight", (h, nh * vd), "row", i)
+        add(p + "kv_b_proj.weight", (nh * (nope + vd), kvr), "column", i, heads=nh)
+        add(p + "o_proj.weight", (h, nh * vd), "row", i, heads=nh)
         return
     hd = cfg.get("head_dim") or h // nh
     nkv = cfg.get("num_key_value_heads") or nh
-    add(p + "q_proj.weight", (nh * hd, h), "column", i)
-    add(p + "k_proj.weight", (nkv * hd, h), "column", i)
-    add(p + "v_proj.weight", (nkv * hd, h), "column", i)
-    add(p + "o_proj.weight", (h, nh * hd), "row", i)
+    add(p + "q_proj.weight", (nh * hd, h), "column", i, heads=nh)
+    add(p + "k_proj.weight", (nkv * hd, h), "column", i, heads=nkv, replicate_heads=True)
+    add(p + "v_proj.weight", (nkv * hd, h), "column", i, heads=nkv, replicate_heads=True)
+    add(p + "o_proj.weight", (h, nh * hd), "row", i, heads=nh)
     if cfg.architecture in ("qwen3", "qwen3_moe"):
         add(p + "q_norm.weight", (hd,), "replicated", i)
         add(p + "k_norm.weight", (hd,), "replicated", i)

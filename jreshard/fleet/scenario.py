@@ -36,7 +36,7 @@ from typing import Any
 
 from jreshard.fleet import catalog, cost
 from jreshard.core.layout import Layout, canonical_dtype
-from jreshard.fleet.presets import InferParallel, TrainParallel, infer_layouts, train_layouts
+from jreshard.fleet.presets import InferParallel, TrainParallel, check_degrees, infer_layouts, train_layouts
 
 __all__ = ["Scenario", "load_scenario", "scenario_names", "ScenarioError"]
 
@@ -47,7 +47,21 @@ _INFER = {f.name for f in dataclasses.fields(InferParallel)} | {"gpus"}
 
 
 class ScenarioError(ValueError):
-    """A scenario file is malformed; the message names the field."""
+    """A scenario file is malformed; the message names the field.
+
+    ``field`` is the top-level field at fault (``'infer'``, ``'model'``) where one
+    value is, and ``reason`` the message without the scenario and field, so that a
+    caller with its own names for the fields (the CLI's flags) can restate it.
+    """
+
+    def __init__(self, message: str, *, field: str | None = None, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+        self.reason = reason if reason is not None else message
+
+
+def _field_error(where: str, field: str, exc: Exception) -> ScenarioError:
+    return ScenarioError(f"{where}: field {field!r}: {exc}", field=field, reason=str(exc))
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -97,7 +111,8 @@ def _positive_int(where: str, field: str, v: Any) -> int:
     return int(v)
 
 
-def _side(where: str, data: Mapping, field: str, allowed: set, cls: type) -> tuple[Any, int]:
+def _side(where: str, data: Mapping, field: str, allowed: set, cls: type,
+          infos: list[catalog.TensorInfo]) -> tuple[Any, int]:
     if field not in data:
         raise ScenarioError(f"{where}: field {field!r} is missing; give for example {{\"gpus\": 8, \"tp\": 8}}.")
     side = data[field]
@@ -117,8 +132,9 @@ def _side(where: str, data: Mapping, field: str, allowed: set, cls: type) -> tup
         gpus = par.pp * math.lcm(par.tp * par.cp * par.fsdp * par.dp, par.ep * par.expert_tp)
     try:
         par.world(gpus) if cls is TrainParallel else par.check(gpus)
+        check_degrees(infos, par)
     except ValueError as exc:
-        raise ScenarioError(f"{where}: field {field!r}: {exc}") from None
+        raise _field_error(where, field, exc) from None
     return par, gpus
 
 
@@ -162,19 +178,20 @@ def load_scenario(spec: str | os.PathLike | Mapping, *, name: str | None = None)
         else:
             model = catalog.get_model(model_spec)
     except (TypeError, ValueError) as exc:
-        raise ScenarioError(f"{where}: field 'model': {exc}") from None
-    train, train_gpus = _side(where, data, "train", _TRAIN, TrainParallel)
-    infer, infer_gpus = _side(where, data, "infer", _INFER, InferParallel)
+        raise _field_error(where, "model", exc) from None
+    infos = catalog.tensors(model, experts="stacked")  # the degree checks need each kind of tensor once
+    train, train_gpus = _side(where, data, "train", _TRAIN, TrainParallel, infos)
+    infer, infer_gpus = _side(where, data, "infer", _INFER, InferParallel, infos)
     if "hardware" not in data:
         raise ScenarioError(f"{where}: field 'hardware' is missing; name one of {cost.hardware_names()}.")
     try:
         hw = cost.load_hardware(data["hardware"])
     except (TypeError, ValueError) as exc:
-        raise ScenarioError(f"{where}: field 'hardware': {exc}") from None
+        raise _field_error(where, "hardware", exc) from None
     try:
         dtype = canonical_dtype(data.get("dtype"))
     except TypeError as exc:
-        raise ScenarioError(f"{where}: field 'dtype': {exc}") from None
+        raise _field_error(where, "dtype", exc) from None
     colocated = data.get("colocated", False)
     if not isinstance(colocated, bool):
         raise ScenarioError(f"{where}: field 'colocated' must be true or false, got {colocated!r}.")

@@ -1,0 +1,112 @@
+"""Hardware descriptions and the topology the cost model needs of a cluster.
+
+A hardware file (``jreshard/data/hardware/*.json``) gives the NVLink domain size,
+the NVLink and network bandwidths per GPU per direction and the latency of one
+message; ``Topology`` adds the bucket size and places device ``d`` in domain
+``d // gpus_per_domain``. See ``docs/cost_model.md``.
+
+Example:
+  >>> from jreshard.fleet.hardware import Topology
+  >>> topo = Topology.from_hardware("dgx-h100")
+  >>> topo.gpus_per_domain, topo.domain([0, 7, 8]).tolist()
+  (8, [0, 0, 1])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import numbers
+import os
+from collections.abc import Mapping
+from importlib import resources
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Hardware", "Topology", "load_hardware", "hardware_names"]
+
+_HW_FIELDS = {"gpus_per_domain": int, "nvlink_GBps_per_direction": float, "network_GBps_per_gpu_per_direction": float,
+              "latency_us": float}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Hardware:
+    """One hardware description (a file of ``jreshard/data/hardware``)."""
+
+    name: str
+    gpus_per_domain: int
+    nvlink_GBps: float
+    network_GBps: float
+    latency_us: float
+
+
+def hardware_names() -> tuple[str, ...]:
+    """Names of the hardware files in the package data."""
+    files = resources.files("jreshard").joinpath("data/hardware").iterdir()
+    return tuple(sorted(f.name[:-5] for f in files if f.name.endswith(".json")))
+
+
+def load_hardware(spec: str | os.PathLike | Mapping | Hardware) -> Hardware:
+    """A ``Hardware`` from a name in the package data, a JSON path, or a mapping.
+
+    Raises ValueError naming the missing or bad field.
+    """
+    if isinstance(spec, Hardware):
+        return spec
+    where = "hardware"
+    if isinstance(spec, (str, os.PathLike)):
+        path = os.fspath(spec)
+        if path in hardware_names():
+            data = json.loads(resources.files("jreshard").joinpath(f"data/hardware/{path}.json").read_text())
+            where = f"hardware {path!r}"
+        elif os.path.exists(path):
+            with open(path) as f:
+                data = json.load(f)
+            where = f"hardware file {path!r}"
+        else:
+            raise ValueError(f"hardware {path!r} is neither a known name {hardware_names()} nor a JSON file.")
+    elif isinstance(spec, Mapping):
+        data = dict(spec)
+    else:
+        raise TypeError(f"hardware must be a name, a path or a mapping, got {type(spec).__name__}.")
+    values = {}
+    for key, kind in _HW_FIELDS.items():
+        if key not in data:
+            raise ValueError(f"{where}: field {key!r} is missing; give it as a number.")
+        v = data[key]
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or v < 0 or (kind is int and (v != int(v) or v < 1)):
+            raise ValueError(f"{where}: field {key!r} must be a {'positive int' if kind is int else 'non-negative number'}, "
+                             f"got {v!r}.")
+        values[key] = kind(v)
+    return Hardware(str(data.get("name", "custom")), values["gpus_per_domain"], values["nvlink_GBps_per_direction"],
+                    values["network_GBps_per_gpu_per_direction"], values["latency_us"])
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Topology:
+    """What the cost model needs of a cluster (bandwidths per GPU per direction)."""
+
+    gpus_per_domain: int
+    nvlink_GBps: float
+    network_GBps: float
+    latency_us: float
+    bucket_bytes: int = 256 << 20
+
+    def __post_init__(self) -> None:
+        if isinstance(self.gpus_per_domain, bool) or not isinstance(self.gpus_per_domain, int) or self.gpus_per_domain < 1:
+            raise ValueError(f"gpus_per_domain must be a positive int, got {self.gpus_per_domain!r}.")
+        for name in ("nvlink_GBps", "network_GBps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}.")
+        if self.latency_us < 0 or self.bucket_bytes < 1:
+            raise ValueError("latency_us must be >= 0 and bucket_bytes >= 1.")
+
+    @classmethod
+    def from_hardware(cls, hw: Hardware | str | Mapping, gpus_per_domain: int | None = None) -> Topology:
+        hw = load_hardware(hw)
+        return cls(gpus_per_domain or hw.gpus_per_domain, hw.nvlink_GBps, hw.network_GBps, hw.latency_us)
+
+    def domain(self, devices: Any) -> Any:
+        """The NVLink domain of each device id."""
+        return np.asarray(devices) // self.gpus_per_domain
