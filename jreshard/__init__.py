@@ -11,6 +11,7 @@ from typing import Any
 from jreshard.core import reference
 from jreshard.core.layout import Box, Layout
 from jreshard.core.mesh import Mesh
+from jreshard.core import planner as _planner
 from jreshard.core.planner import (
     Move,
     Plan,
@@ -19,9 +20,9 @@ from jreshard.core.planner import (
     TensorPlan,
     check_tensor_plan,
     clear_cache,
-    plan,
     plan_layouts,
 )
+from jreshard.core.tree import first_leaf as _first_leaf
 
 __version__ = "0.1.0"
 
@@ -59,6 +60,34 @@ _SUBMODULES = {
     "nn": "jreshard.nn",
     "viz": "jreshard.viz",
 }
+
+
+def plan(src: Any, dst: Any, *, balance: bool = True, **kwargs: Any) -> TensorPlan | Plan:
+    """Plans a reshard from ``src`` to ``dst``: Layouts, or jax arrays and shardings.
+
+    Layouts and pytrees of them are planned by the pure core
+    (``jreshard.core.planner.plan``, whose docstring has the details). A pytree of
+    ``jax.Array``s or ``jax.ShapeDtypeStruct``s with shardings goes to the JAX
+    executor's adapter with the arguments ``jreshard.transfer`` takes (``mesh=``,
+    ``dtype=``); this needs jax.
+
+    Example:
+      >>> src = Layout((8, 4), Mesh([0, 1, 2, 3], "fsdp"), ("fsdp",), dtype="float32")
+      >>> dst = Layout((8, 4), Mesh([[4, 5], [6, 7]], ("dp", "tp")), (None, "tp"), dtype="float32")
+      >>> plan(src, dst).moves[0]
+      Move(0 -> 4, [0:2, 0:2])
+    """
+    if not isinstance(src, Layout) and _is_jax_like(_first_leaf(src)):
+        from jreshard.jax_executor.adapter import plan_from_jax  # imports jax
+
+        return plan_from_jax(src, dst, balance=balance, **kwargs)
+    if kwargs:
+        raise TypeError(f"unexpected arguments {sorted(kwargs)!r}; they apply to jax arrays only")
+    return _planner.plan(src, dst, balance=balance)
+
+
+def _is_jax_like(x: Any) -> bool:
+    return hasattr(x, "sharding") and hasattr(x, "shape") and not isinstance(x, Layout)
 
 
 def __getattr__(name: str) -> Any:

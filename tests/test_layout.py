@@ -118,7 +118,7 @@ ERROR_CASES = [
     ("axis not in mesh", lambda: Layout((4,), _mesh2(), ("fsdp",)), ValueError, r"names axis 'fsdp'.*axes are \('dp', 'tp'\)"),
     ("axis used twice", lambda: Layout((4, 4), _mesh2(), ("tp", "tp")), ValueError, r"uses axis 'tp' twice"),
     ("axis twice in a tuple", lambda: Layout((4,), _mesh2(), (("tp", "tp"),)), ValueError, r"uses axis 'tp' twice"),
-    ("spec longer than rank", lambda: Layout((4,), _mesh2(), ("dp", "tp")), ValueError, r"2 entries but the tensor has rank 1"),
+    ("spec longer than rank", lambda: Layout((4,), _mesh2(), ("dp", "tp")), ValueError, r"2 entries but the tensor has 1 dims"),
     ("spec entry of wrong type", lambda: Layout((4,), _mesh2(), (3,)), TypeError, r"spec entry 3 for dim 0"),
     ("spec of wrong type", lambda: Layout((4,), _mesh2(), "tp"), TypeError, r"spec must be a tuple"),
     ("float device id", lambda: Mesh([0.0, 1.0], ("x",)), TypeError, r"integer device ids"),
@@ -148,3 +148,25 @@ def test_error_messages_show_the_fix():
     with pytest.raises(ValueError) as info:
         Layout((4, 4), _mesh2(), ("tp", "tp"))
     assert re.search(r"a mesh axis may shard at most one dim", str(info.value))
+
+
+def test_numpy_integers_are_ints():
+    mesh = Mesh(np.array([[0, 1], [2, 3]], dtype=np.int32), ("dp", "tp"))
+    layout = Layout((np.int64(6), np.int32(4)), mesh, (None, "tp"))
+    assert layout.shape == (6, 4) and all(type(n) is int for n in layout.shape)
+    assert layout.shard_box(np.int64(3)) == (slice(0, 6), slice(2, 4))
+    assert layout.holders((slice(np.int64(0), np.int64(6)), slice(0, 2))) == (0, 2)
+
+
+def test_byte_count_must_fit_int64():
+    mesh = Mesh([0], ("x",))
+    assert Layout((1 << 30, 1 << 30), mesh, (), "float32").nbytes == 1 << 62
+    with pytest.raises(ValueError, match=r"shape \(4294967296, 4294967296\) holds 73786976294838206464 bytes, more than the 2\*\*63 - 1"):
+        Layout((1 << 32, 1 << 32), mesh, (), "float32")
+    with pytest.raises(ValueError, match=r"more than the 2\*\*63 - 1 the planner can count"):
+        Layout((1 << 31, 1 << 31), mesh, ()).with_dtype("float16")
+
+
+def test_ndim_and_dim_axes():
+    layout = Layout((8, 4, 2), _mesh2(), (("dp", "tp"),))
+    assert layout.ndim == 3 and layout.dim_axes == (("dp", "tp"), (), ())

@@ -134,9 +134,9 @@ def test_plan_cache_and_pieces_reuse():
     tree_src = {f"l{i}": src for i in range(10)}
     tree_dst = {f"l{i}": dst for i in range(10)}
     assert plan(tree_src, tree_dst) is plan(tree_src, tree_dst)
-    from jreshard.core.planner import _pieces
+    from jreshard.core.pieces import pieces
 
-    info = _pieces.cache_info()
+    info = pieces.cache_info()
     assert info.currsize == 1  # ten repeated layers share one piece template
 
 
@@ -237,3 +237,30 @@ def test_sweep_pytrees_balance_and_bound(pairs):
     for tp in p.tensors.values():
         tp.check()
         assert_exact(tp)
+
+
+def test_pytree_plan_table_lists_moves_per_tensor():
+    src = {"b": Layout((4,), M1, ("x",), "float32"), "w": Layout((8,), M1, ("x",), "float32")}
+    dst = {"b": Layout((4,), M1B, (), "float32"), "w": Layout((8,), M1B, (), "float32")}
+    p = plan(src, dst)
+    full = p.table(limit=None).splitlines()
+    assert full[0].startswith("b: Layout((4,), float32, P('x')")
+    assert sum(line.startswith("  send") for line in full) == sum(len(tp.moves) for tp in p.tensors.values()) == 32
+    short = p.table(limit=5).splitlines()
+    assert sum(line.startswith("  send") for line in short) == 5
+    assert short[-1] == "  ... 27 more moves" and not any(line.startswith("w:") for line in short)
+
+
+def test_core_planner_does_not_import_jax():
+    import subprocess
+    import sys
+
+    code = "import sys, jreshard; jreshard.plan(jreshard.Layout((4,), jreshard.Mesh([0], 'x'), ()), " \
+           "jreshard.Layout((4,), jreshard.Mesh([1], 'x'), ())); print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'torch')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_plan_keyword_arguments_apply_to_jax_only():
+    with pytest.raises(TypeError, match=r"unexpected arguments \['mesh'\]; they apply to jax arrays only"):
+        plan(Layout((4,), M1, ()), Layout((4,), M1B, ()), mesh=M1)

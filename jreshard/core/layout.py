@@ -24,7 +24,7 @@ def _is_partition_spec(spec: Any) -> bool:
     return cls.__name__ in ("PartitionSpec", "P") and cls.__module__.split(".")[0] == "jax"
 
 
-def _parse_spec(spec: Any, mesh: Mesh, rank: int) -> tuple[tuple[str, ...], ...]:
+def _parse_spec(spec: Any, mesh: Mesh, ndim: int) -> tuple[tuple[str, ...], ...]:
     """Parses ``spec`` into one tuple of axis names per dim (``None`` -> ``()``)."""
     if spec is None:
         spec = ()
@@ -34,9 +34,9 @@ def _parse_spec(spec: Any, mesh: Mesh, rank: int) -> tuple[tuple[str, ...], ...]
             f"{type(spec).__name__} {spec!r}; pass for example ('fsdp', None)."
         )
     entries = list(spec)
-    if len(entries) > rank:
+    if len(entries) > ndim:
         raise ValueError(
-            f"spec {tuple(entries)!r} has {len(entries)} entries but the tensor has rank {rank}; "
+            f"spec {tuple(entries)!r} has {len(entries)} entries but the tensor has {ndim} dims; "
             "give at most one entry per dim."
         )
     parsed: list[tuple[str, ...]] = []
@@ -66,7 +66,7 @@ def _parse_spec(spec: Any, mesh: Mesh, rank: int) -> tuple[tuple[str, ...], ...]
                 )
             seen[axis] = dim
         parsed.append(axes)
-    parsed.extend(() for _ in range(rank - len(parsed)))
+    parsed.extend(() for _ in range(ndim - len(parsed)))
     return tuple(parsed)
 
 
@@ -83,6 +83,18 @@ def _parse_shape(shape: Any) -> tuple[int, ...]:
     return tuple(int(n) for n in shape)
 
 
+_INT64_MAX = (1 << 63) - 1
+
+
+def _check_nbytes(shape: tuple[int, ...], itemsize: int) -> None:
+    # Planner arithmetic is int64: a tensor must be addressable in bytes within it.
+    if math.prod(shape) * itemsize > _INT64_MAX:
+        raise ValueError(
+            f"shape {shape} holds {math.prod(shape) * itemsize} bytes, more than the 2**63 - 1 the planner "
+            "can count; split the tensor into smaller ones."
+        )
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Grid:
     """How a layout cuts a tensor, independent of which ids the devices have.
@@ -95,8 +107,8 @@ class _Grid:
     chunk: tuple[int, ...]
     shard_flat: np.ndarray  # [mesh size] flat shard id
     groups: np.ndarray  # [num shards, replicas] mesh positions
-    start: np.ndarray  # [mesh size, rank]
-    stop: np.ndarray  # [mesh size, rank]
+    start: np.ndarray  # [mesh size, ndim]
+    stop: np.ndarray  # [mesh size, ndim]
 
 
 @functools.lru_cache(maxsize=8192)
@@ -105,9 +117,9 @@ def _grid(shape: tuple[int, ...], mesh_shape: tuple[int, ...], axis_names: tuple
     size = math.prod(mesh_shape)
     coords = np.indices(mesh_shape, dtype=np.int64).reshape(len(mesh_shape), size)
     sizes = dict(zip(axis_names, mesh_shape, strict=True))
-    rank = len(shape)
+    ndim = len(shape)
     parts, chunk = [], []
-    index = np.zeros((size, rank), dtype=np.int64)
+    index = np.zeros((size, ndim), dtype=np.int64)
     for d, axes in enumerate(spec):
         k = 1
         for axis in axes:  # major to minor
@@ -120,7 +132,7 @@ def _grid(shape: tuple[int, ...], mesh_shape: tuple[int, ...], axis_names: tuple
     shape_a = np.array(shape, dtype=np.int64)
     start = np.minimum(index * chunk_a, shape_a)
     stop = np.minimum(start + chunk_a, shape_a)
-    flat = np.ravel_multi_index(index.T, parts_t) if rank else np.zeros(size, dtype=np.int64)
+    flat = np.ravel_multi_index(index.T, parts_t) if ndim else np.zeros(size, dtype=np.int64)
     flat = np.asarray(flat, dtype=np.int64)
     order = np.argsort(flat, kind="stable")
     groups = order.reshape(math.prod(parts_t), -1)
@@ -139,7 +151,7 @@ class Layout:
     ``[i*c, min((i+1)*c, n))`` with ``c = ceil(n/k)``, possibly empty.
 
     Args:
-      shape: the global tensor shape (any rank, 0-d and size-0 dims included).
+      shape: the global tensor shape (any number of dims, 0-d and size-0 dims included).
       mesh: the devices.
       spec: a tuple, list or ``PartitionSpec``.
       dtype: optional element type; statistics count bytes with it, elements without.
@@ -155,7 +167,7 @@ class Layout:
 
     shape: tuple[int, ...]
     mesh: Mesh
-    spec: tuple[tuple[str, ...], ...]
+    dim_axes: tuple[tuple[str, ...], ...]
     dtype: str | None
     _hash: int = dataclasses.field(repr=False)
 
@@ -172,7 +184,8 @@ class Layout:
         dtype_n = canonical_dtype(dtype)
         object.__setattr__(self, "shape", shape_t)
         object.__setattr__(self, "mesh", mesh)
-        object.__setattr__(self, "spec", spec_t)
+        _check_nbytes(shape_t, itemsize_of(dtype_n))
+        object.__setattr__(self, "dim_axes", spec_t)
         object.__setattr__(self, "dtype", dtype_n)
         object.__setattr__(self, "_hash", hash((shape_t, mesh, spec_t, dtype_n)))
 
@@ -193,11 +206,18 @@ class Layout:
         )
 
     def with_dtype(self, dtype: Any) -> Layout:
-        return Layout(self.shape, self.mesh, self.spec, dtype)
+        return Layout(self.shape, self.mesh, self.dim_axes, dtype)
 
     @property
-    def rank(self) -> int:
+    def spec(self) -> tuple[tuple[str, ...], ...]:
+        """Per dim, the mesh axes that split it, major to minor (``()``: not split)."""
+        return self.dim_axes
+
+    @property
+    def ndim(self) -> int:
         return len(self.shape)
+
+    rank = ndim  # the old name; "rank" is a torch process (docs/glossary.md)
 
     @property
     def size(self) -> int:
@@ -214,7 +234,7 @@ class Layout:
 
     @property
     def grid(self) -> _Grid:
-        return _grid(self.shape, self.mesh.shape, self.mesh.axis_names, self.spec)
+        return _grid(self.shape, self.mesh.shape, self.mesh.axis_names, self.dim_axes)
 
     @property
     def num_shards(self) -> int:
@@ -263,7 +283,7 @@ class Layout:
         return (
             self._hash == other._hash
             and self.shape == other.shape
-            and self.spec == other.spec
+            and self.dim_axes == other.dim_axes
             and self.dtype == other.dtype
             and self.mesh == other.mesh
         )
@@ -275,7 +295,7 @@ class Layout:
     def spec_str(self) -> str:
         """The spec as ``P('fsdp', None)``-style text (trailing ``None`` dropped)."""
         entries = []
-        for axes in self.spec:
+        for axes in self.dim_axes:
             entries.append("None" if not axes else repr(axes[0]) if len(axes) == 1 else repr(axes))
         while entries and entries[-1] == "None":
             entries.pop()
@@ -286,7 +306,7 @@ class Layout:
         return f"Layout({self.shape}{dtype}, {self.spec_str}, {self.mesh!r})"
 
     def __getstate__(self):
-        return (self.shape, self.mesh, self.spec, self.dtype)
+        return (self.shape, self.mesh, self.dim_axes, self.dtype)
 
     def __setstate__(self, state):
         Layout.__init__(self, *state)

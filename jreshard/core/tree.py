@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["flatten", "unflatten", "path_str", "TreeDef"]
+__all__ = ["flatten", "unflatten", "path_str", "first_leaf", "describe", "TreeDef"]
 
 TreeDef = Any  # nested tuples: ("dict", keys, children) | ("list"|"tuple", n, children) | "leaf" | "none"
 
@@ -70,9 +70,48 @@ def unflatten(treedef: TreeDef, leaves: list) -> Any:
     return build(treedef)
 
 
+def _key_name(key: Any) -> str:
+    # jax key entries (DictKey.key, SequenceKey.idx, GetAttrKey.name, FlattenedIndexKey.key)
+    # are duck-typed so that this module needs no jax.
+    for attr in ("key", "idx", "name"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
 def path_str(path: tuple) -> str:
-    """'layers/0/attn/q_proj' for ('layers', 0, 'attn', 'q_proj'); '' for the root."""
-    return "/".join(str(k) for k in path)
+    """The one leaf-path formatter: ``'layers/0/wq'`` for ``('layers', 0, 'wq')``; ``''`` for the root.
+
+    Entries are dict keys, sequence indices, namedtuple fields, or jax key path
+    entries (``jax.tree_util.tree_flatten_with_path``), which print as their key.
+
+    Example:
+      >>> path_str(("layers", 0, "attn", "q_proj")), path_str(())
+      ('layers/0/attn/q_proj', '')
+    """
+    return "/".join(_key_name(k) for k in path)
+
+
+def first_leaf(tree: Any) -> Any:
+    """The first leaf of ``tree`` in walk order without flattening it (``None`` if it has none).
+
+    Example:
+      >>> first_leaf({"b": [None, 2], "a": None})
+      2
+    """
+    if tree is None:
+        return None
+    if isinstance(tree, Mapping):
+        children: Any = (tree[k] for k in _sorted_keys(tree))
+    elif isinstance(tree, (list, tuple)):
+        children = iter(tree)
+    else:
+        return tree
+    for child in children:
+        leaf = first_leaf(child)
+        if leaf is not None:
+            return leaf
+    return None
 
 
 def describe(treedef: TreeDef, depth: int = 0) -> str:

@@ -1,0 +1,262 @@
+"""Balancing: choose, among the replicas holding each piece, the sender (docs/glossary.md).
+
+Greedy longest-processing-time within each class of rows that share their set of
+candidate senders (classes in order of total bytes), then a refinement that moves
+or splits rows off the most loaded sender while that lowers the maximum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import numpy as np
+
+from jreshard.core.pieces import Pieces
+
+__all__ = ["Choice", "Split", "balance_senders"]
+
+
+class Choice(NamedTuple):
+    """The rows of one group whose sender may be any of several replicas.
+
+    ``table[cls[r]]`` lists row r's candidate senders (device ids); ``rows`` index the
+    group's tiled [tensors x pieces] rows.
+    """
+
+    group: int
+    rows: np.ndarray  # [N] row in the group
+    table: np.ndarray  # [K, R] candidate sets
+    cls: np.ndarray  # [N] candidate set of each row
+    nbytes: np.ndarray  # [N]
+    receivers: np.ndarray  # [N]
+    pieces: Pieces  # the group's pieces (row % M is a piece)
+
+
+class Split(NamedTuple):
+    """A row cut by the refinement: it shrinks to ``[lo, hi)``, or is a new part (``is_new``)."""
+
+    row: int  # row in the group
+    lo: np.ndarray
+    hi: np.ndarray
+    src: int  # sender of a new part
+    is_new: bool
+
+
+@dataclasses.dataclass(slots=True)
+class _Rows:
+    """All choice rows of all groups in one table; grows when the refinement splits a row."""
+
+    block: np.ndarray  # [N] the Choice a row comes from
+    brow: np.ndarray  # [N] row within that Choice
+    cls: np.ndarray  # [N] dense candidate set (into the class table)
+    nbytes: np.ndarray  # [N] float64
+    chosen: np.ndarray  # [N] dense sender index
+
+    def grow(self, extra: int) -> None:
+        for f in dataclasses.fields(self):
+            a = getattr(self, f.name)
+            setattr(self, f.name, np.concatenate([a, np.zeros(extra, a.dtype)]))
+
+    def truncate(self, n: int) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name)[:n])
+
+
+def _unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(a, axis=0, return_inverse=True)`` for many rows with few distinct values.
+
+    Rows are hashed to one int64 (a random linear form, wrapping), uniqued in 1-D, then
+    verified against their representatives; a collision falls back to the exact method.
+    """
+    if len(a) and a.shape[1]:
+        w = np.random.default_rng(0).integers(1, 1 << 62, size=a.shape[1], dtype=np.int64) | 1
+        _, first, inv = np.unique((a * w).sum(axis=1), return_index=True, return_inverse=True)
+        inv = inv.ravel()
+        reps = a[first]
+        if (reps[inv] == a).all():
+            order = np.lexsort(reps.T[::-1])
+            rank = np.empty_like(order)
+            rank[order] = np.arange(len(order))
+            return reps[order], rank[inv]
+    classes, inverse = np.unique(a, axis=0, return_inverse=True)
+    return classes, inverse.ravel()
+
+
+def balance_senders(choices: list[Choice], fixed_src: np.ndarray, fixed_bytes: np.ndarray,
+                    balance: bool) -> tuple[list[np.ndarray], dict[int, list[Split]]]:
+    """Assigns a sender to every choice row; may split rows across replicas.
+
+    ``fixed_src``/``fixed_bytes`` are the loads senders carry whatever the choice.
+    Returns the chosen sender per row of each Choice and, per group, its splits.
+    """
+    all_ids = np.unique(np.concatenate([fixed_src] + [c.table.ravel() for c in choices]))
+    load = np.zeros(len(all_ids), dtype=np.float64)
+    if len(fixed_src):
+        np.add.at(load, np.searchsorted(all_ids, fixed_src), fixed_bytes.astype(np.float64))
+
+    # Candidate sets (dense sender ids, padded with -1) live in a small table of
+    # classes that rows point into.
+    width = max(c.table.shape[1] for c in choices)
+    tables, offset, cls = [], 0, []
+    for c in choices:
+        dense = np.searchsorted(all_ids, np.sort(c.table, axis=1))
+        pad = np.full((len(c.table), width), -1, np.int64)
+        pad[:, : dense.shape[1]] = dense
+        tables.append(pad)
+        cls.append(c.cls + offset)
+        offset += len(c.table)
+    classes, table_class = _unique_rows(np.concatenate(tables))
+    rows = _Rows(
+        block=np.concatenate([np.full(len(c.rows), b) for b, c in enumerate(choices)]),
+        brow=np.concatenate([np.arange(len(c.rows)) for c in choices]),
+        cls=table_class[np.concatenate(cls)],
+        nbytes=np.concatenate([c.nbytes.astype(np.float64) for c in choices]),
+        chosen=np.empty(sum(len(c.rows) for c in choices), np.int64),
+    )
+    receivers = np.concatenate([c.receivers for c in choices])
+    _greedy(rows, classes, receivers, load, balance)
+
+    splits: dict[int, list[Split]] = {}
+    n_orig = len(rows.block)
+    if balance:
+        boxes = _refine(choices, rows, classes, load)
+        # Shrunk original rows keep their sender; split-off rows are new rows.
+        for r, (lo, hi) in boxes.items():
+            c = choices[int(rows.block[r])]
+            splits.setdefault(c.group, []).append(
+                Split(int(c.rows[rows.brow[r]]), lo, hi, int(all_ids[rows.chosen[r]]), r >= n_orig))
+    block = rows.block[:n_orig]
+    assigned = [all_ids[rows.chosen[:n_orig][block == b]] for b in range(len(choices))]
+    return assigned, splits
+
+
+def _greedy(rows: _Rows, classes: np.ndarray, receivers: np.ndarray, load: np.ndarray, balance: bool) -> None:
+    """A first sender for every row, class after class (largest total bytes first)."""
+    inverse, nbytes, chosen = rows.cls, rows.nbytes, rows.chosen
+    totals = np.bincount(inverse, weights=nbytes)
+    by_class = np.argsort(inverse, kind="stable")
+    bounds = np.searchsorted(inverse[by_class], np.arange(len(classes) + 1))
+    for c in np.argsort(-totals, kind="stable"):
+        members = classes[c][classes[c] >= 0]
+        mine = by_class[bounds[c]:bounds[c + 1]]
+        mine = mine[np.argsort(-nbytes[mine], kind="stable")]
+        R = len(members)
+        if not balance:
+            chosen[mine] = members[0]
+            load[members[0]] += nbytes[mine].sum()
+        elif len(mine) > max(64 * R, 20_000):
+            _water_fill(mine[np.argsort(receivers[mine], kind="stable")], members, nbytes, chosen, load)
+        else:
+            # Longest-processing-time in chunks of R rows: each chunk's largest row goes
+            # to the least loaded member, and so on.
+            for start in range(0, len(mine), R):
+                chunk = mine[start:start + R]
+                targets = members[np.argsort(load[members], kind="stable")[: len(chunk)]]
+                chosen[chunk] = targets
+                load[targets] += nbytes[chunk]
+
+
+def _water_fill(mine: np.ndarray, members: np.ndarray, nbytes: np.ndarray, chosen: np.ndarray,
+                load: np.ndarray) -> None:
+    """Many rows: fill the members up to a common level, each taking a contiguous run of
+    rows in receiver order (few sender -> receiver pairs); vectorised."""
+    R = len(members)
+    size = nbytes[mine]
+    have = load[members]
+    srt = np.sort(have)
+    # Water level: the first k members (least loaded) filled up to a common level.
+    levels = (size.sum() + np.cumsum(srt)) / np.arange(1, R + 1)
+    fits = np.nonzero(levels[:-1] <= srt[1:])[0]
+    level = levels[fits[0]] if len(fits) else levels[-1]
+    quota = np.maximum(level - have, 0.0)
+    ends = np.cumsum(quota)
+    mid = np.cumsum(size) - size / 2
+    chosen[mine] = members[np.minimum(np.searchsorted(ends, mid), R - 1)]
+    load[:] += np.bincount(chosen[mine], weights=size, minlength=len(load))
+
+
+def _refine(choices: list[Choice], rows: _Rows, classes: np.ndarray, load: np.ndarray,
+            max_rounds: int | None = None) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Moves or splits rows off the most loaded sender while that lowers the maximum.
+
+    Grows ``rows`` by the split-off parts and returns the boxes of rows that were
+    split: row -> (lo, hi); rows past the original table are the split-off parts.
+    """
+    rounds = max_rounds if max_rounds is not None else 4 * len(load) + 16
+    n = n_orig = len(rows.block)
+    boxes: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def least_loaded_alternative(dev: int):
+        mine = np.nonzero(rows.chosen[:n] == dev)[0]
+        if not len(mine):
+            return None
+        alt = classes[rows.cls[mine]]
+        valid = (alt >= 0) & (alt != dev)
+        if not valid.any():
+            return None
+        alt_load = np.where(valid, load[np.maximum(alt, 0)], np.inf)
+        best = int(alt[np.unravel_index(np.argmin(alt_load), alt.shape)])
+        return best, mine, alt
+
+    for _ in range(rounds):
+        top = int(np.argmax(load))
+        slack = max(1.0, 1e-4 * load[top])
+        found = least_loaded_alternative(top)
+        if found is not None and load[top] - load[found[0]] <= slack:
+            # Every replica partner of the top sender is as loaded as it: let one of
+            # them shed load to a third device first (a two-step move).
+            peers = np.unique(found[2][(found[2] >= 0) & (found[2] != top)])
+            found = None
+            for peer in peers[np.argsort(-load[peers], kind="stable")][:4]:  # bounded work per round
+                step = least_loaded_alternative(int(peer))
+                if step is not None and load[peer] - load[step[0]] > slack:
+                    top, found = int(peer), step
+                    break
+        if found is None:
+            break
+        best, mine, alt = found
+        gap = load[top] - load[best]
+        if gap <= slack:
+            break
+        delta = gap / 2
+        movable = mine[(alt == best).any(axis=1)]
+        sizes = rows.nbytes[movable]
+        fits = sizes <= delta
+        if fits.any():
+            r = int(movable[fits][np.argmax(sizes[fits])])
+            rows.chosen[r] = best
+            load[top] -= rows.nbytes[r]
+            load[best] += rows.nbytes[r]
+            continue
+        r = int(movable[np.argmin(sizes)])
+        if r in boxes:
+            lo, hi = boxes[r]
+        else:
+            c = choices[int(rows.block[r])]
+            m = int(c.rows[rows.brow[r]]) % len(c.pieces.dst_pos)
+            lo, hi = c.pieces.lo[m], c.pieces.hi[m]
+        ext = hi - lo
+        if not len(ext):
+            break
+        dim = int(np.argmax(ext))
+        per_row = rows.nbytes[r] / ext[dim]
+        k = int(delta // per_row)
+        if k < 1:
+            break
+        # Cut the last k rows of `dim` off into a new row sent by `best`.
+        cut_lo, new_hi = lo.copy(), hi.copy()
+        cut_lo[dim] = hi[dim] - k
+        new_hi[dim] -= k
+        boxes[r] = (lo, new_hi)
+        boxes[n] = (cut_lo, hi.copy())
+        if n == n_orig:
+            rows.grow(rounds)  # room for split-off rows (at most one per round)
+        rows.block[n], rows.brow[n], rows.cls[n] = rows.block[r], rows.brow[r], rows.cls[r]
+        rows.nbytes[n], rows.chosen[n] = per_row * k, best
+        rows.nbytes[r] -= per_row * k
+        load[top] -= per_row * k
+        load[best] += per_row * k
+        n += 1
+    rows.truncate(n)
+    return boxes

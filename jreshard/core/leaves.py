@@ -1,0 +1,277 @@
+"""Planning leaves in groups: candidates per mesh pair, balanced senders, sorted rows.
+
+Leaves that share a shape and a pair of grids form a group with one set of pieces
+(``core/pieces.py``). Within a group, rows of tensors with the same pair of meshes
+differ only in the tensor index, so the mesh-dependent work runs once per pair.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from jreshard.core.balance import Choice, Split, balance_senders
+from jreshard.core.layout import Layout, _grid, _Grid
+from jreshard.core.mesh import Mesh
+from jreshard.core.pieces import GridKey, Pieces, grid_key, pieces
+from jreshard.core.rows import IN_ORDER, GroupRows, LeafRange, pair_order, presorted_rows
+
+__all__ = ["Leaf", "plan_leaves"]
+
+
+class Leaf(NamedTuple):
+    """One tensor to plan: its two layouts and the bytes per element on the wire."""
+
+    src: Layout
+    dst: Layout
+    itemsize: int
+
+
+class GroupKey(NamedTuple):
+    shape: tuple[int, ...]
+    src: GridKey
+    dst: GridKey
+
+
+@dataclasses.dataclass(slots=True)
+class _Stage:
+    """A group after step 2: per mesh pair c, each piece's receiver and first sender."""
+
+    members: list[int]  # leaf indices
+    pieces: Pieces
+    src_ids: np.ndarray  # [C, S] source device ids per mesh pair
+    itemsize: np.ndarray  # [T]
+    inv: np.ndarray  # [T] mesh pair of each tensor
+    pdst_c: np.ndarray  # [C, M] receiver per pair and piece
+    psrc_c: np.ndarray  # [C, M] sender per pair and piece (local copy, or the first replica)
+    local_c: np.ndarray  # [C, M] whether the receiver holds the piece already
+    lower: dict[int, int]
+    naive: dict[int, int]
+    # Tiled [T*M] rows, built only where replicas are chosen per row.
+    psrc: np.ndarray | None = None
+    pdst: np.ndarray | None = None
+
+
+def plan_leaves(leaves: list[Leaf], balance: bool = True) -> tuple[list[GroupRows], list[LeafRange]]:
+    """Plans every leaf; returns per-group rows and each leaf's range in them."""
+    by_key: dict[GroupKey, list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        by_key.setdefault(GroupKey(leaf.src.shape, grid_key(leaf.src), grid_key(leaf.dst)), []).append(i)
+
+    stages: list[_Stage] = []
+    choices: list[Choice] = []
+    fixed_load: dict[int, float] = {}  # sender -> bytes it must send whatever the balancing
+    for key, members in by_key.items():
+        stage = _stage(key, members, leaves)
+        choice = _choice(len(stages), stage, key)
+        stages.append(stage)
+        if choice is not None:
+            choices.append(choice)
+        else:
+            _add_fixed_load(stage, fixed_load)
+
+    # Step 3: choose replicas across all groups at once.
+    splits: dict[int, list[Split]] = {}
+    if choices:
+        fsrc = np.fromiter(fixed_load.keys(), dtype=np.int64, count=len(fixed_load))
+        fbytes = np.fromiter(fixed_load.values(), dtype=np.float64, count=len(fixed_load))
+        assigned, splits = balance_senders(choices, fsrc, fbytes, balance)
+        for c, chosen in zip(choices, assigned, strict=True):
+            stages[c.group].psrc[c.rows] = chosen
+    chosen_groups = {c.group for c in choices}
+
+    results: list[GroupRows] = []
+    index: list[LeafRange | None] = [None] * len(leaves)
+    for gi, stage in enumerate(stages):
+        rows, bounds = _assemble(stage, gi in chosen_groups, splits.get(gi))
+        for k, m in enumerate(stage.members):
+            index[m] = LeafRange(gi, int(bounds[k]), int(bounds[k + 1]))
+        results.append(rows)
+    return results, index  # type: ignore[return-value]
+
+
+def _mesh_table(meshes: list[Mesh]) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct meshes (by identity: tensors of a model share a few Mesh objects) as an
+    id table [C, size], plus each tensor's row in it."""
+    rows: dict[int, int] = {}
+    uniq: list[Mesh] = []
+    inv = np.empty(len(meshes), dtype=np.int64)
+    for k, m in enumerate(meshes):
+        j = rows.get(id(m))
+        if j is None:
+            j = rows[id(m)] = len(uniq)
+            uniq.append(m)
+        inv[k] = j
+    return np.array([m.device_ids for m in uniq], dtype=np.int64), inv
+
+
+def _combos(members: list[int], leaves: list[Leaf]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Distinct (src mesh, dst mesh) pairs of a group: src ids [C, S], dst ids [C, D], tensor -> pair."""
+    s_tab, s_inv = _mesh_table([leaves[i].src.mesh for i in members])
+    d_tab, d_inv = _mesh_table([leaves[i].dst.mesh for i in members])
+    uniq, inv = np.unique(s_inv * len(d_tab) + d_inv, return_inverse=True)
+    return s_tab[uniq // len(d_tab)], d_tab[uniq % len(d_tab)], inv.ravel()
+
+
+def _lookup(sorted_keys: np.ndarray, sorted_vals: np.ndarray, queries: np.ndarray) -> np.ndarray:
+    """Values for ``queries`` in a sorted key table, -1 where absent."""
+    pos = np.minimum(np.searchsorted(sorted_keys, queries), len(sorted_keys) - 1)
+    return np.where(sorted_keys[pos] == queries, sorted_vals[pos], -1)
+
+
+def _own_position(src_ids: np.ndarray, dst_ids: np.ndarray) -> np.ndarray:
+    """[C, D]: where each destination device sits in its pair's source mesh (-1: absent)."""
+    C = len(src_ids)
+    big = int(max(src_ids.max(), dst_ids.max())) + 1
+    row_off = np.arange(C, dtype=np.int64)[:, None] * big
+    order = np.argsort(src_ids, axis=1)
+    keys = (np.take_along_axis(src_ids, order, axis=1) + row_off).ravel()
+    return _lookup(keys, order.ravel(), (dst_ids + row_off).ravel()).reshape(C, -1)
+
+
+def _lacking(sgrid: _Grid, dgrid: _Grid, dst_src_pos: np.ndarray, ndim: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per pair, the elements destinations lack (the lower bound); and each destination shard's size."""
+    dvol = np.prod(dgrid.stop - dgrid.start, axis=1, dtype=np.int64) if ndim else np.ones(len(dgrid.start), np.int64)
+    if (dst_src_pos < 0).all():
+        return np.full(len(dst_src_pos), int(dvol.sum()), np.int64), dvol
+    held = dst_src_pos[..., None] >= 0
+    at = np.maximum(dst_src_pos, 0)
+    own_lo = np.maximum(dgrid.start[None], np.where(held, sgrid.start[at], 0))
+    own_hi = np.minimum(dgrid.stop[None], np.where(held, sgrid.stop[at], 0))
+    own = np.prod(np.maximum(own_hi - own_lo, 0), axis=2, dtype=np.int64) if ndim else (dst_src_pos >= 0).astype(np.int64)
+    return (dvol[None] - own).sum(axis=1), dvol
+
+
+def _stage(key: GroupKey, members: list[int], leaves: list[Leaf]) -> _Stage:
+    """Step 2 for one group: receivers, local copies and first senders per mesh pair."""
+    p = pieces(*key)
+    sgrid, dgrid = _grid(key.shape, *key.src), _grid(key.shape, *key.dst)
+    T = len(members)
+    src_ids, dst_ids, inv = _combos(members, leaves)  # [C, S], [C, D], [T]
+    itemsize = np.fromiter((leaves[i].itemsize for i in members), dtype=np.int64, count=T)
+    dst_src_pos = _own_position(src_ids, dst_ids)
+    dst_src_shard = np.where(dst_src_pos >= 0, sgrid.shard_flat[np.maximum(dst_src_pos, 0)], -1)
+
+    # Lower bound and naive bytes, computed from the layouts, not from the moves.
+    lacking_c, dvol = _lacking(sgrid, dgrid, dst_src_pos, len(key.shape))
+    lacking = lacking_c[inv] * itemsize
+    naive = int((dvol > 0).sum()) * math.prod(key.shape) * itemsize
+
+    M = len(p.dst_pos)
+    pdst_c = dst_ids[:, p.dst_pos]  # [C, M]
+    local_c = dst_src_shard[:, p.dst_pos] == p.src_shard[None, :]
+    first = src_ids[:, sgrid.groups[p.src_shard, 0]] if M else pdst_c
+    psrc_c = np.where(local_c, pdst_c, first)
+    return _Stage(members, p, src_ids, itemsize, inv, pdst_c, psrc_c, local_c,
+                  dict(zip(members, lacking.tolist())), dict(zip(members, naive.tolist())))
+
+
+def _choice(gi: int, stage: _Stage, key: GroupKey) -> Choice | None:
+    """The rows of a group whose sender is free among replicas (``None`` if senders are fixed)."""
+    p, inv = stage.pieces, stage.inv
+    groups = _grid(key.shape, *key.src).groups  # [num src shards, R]
+    M, R = len(p.dst_pos), groups.shape[1]
+    if R > 1 or not M:
+        stage.pdst = stage.pdst_c[inv].ravel()
+        stage.psrc = stage.psrc_c[inv].ravel()
+    if R == 1 or not M:
+        return None
+    free = ~stage.local_c[inv].ravel()
+    if not free.any():
+        return None
+    rows = np.nonzero(free)[0]
+    # A row's candidates depend only on its mesh pair and source shard: keep one table
+    # of candidate sets and a class per row, not [rows, R] candidates.
+    n_shards = len(groups)
+    local_cls = inv[rows // M] * n_shards + p.src_shard[rows % M]
+    uniq, cls = np.unique(local_cls, return_inverse=True)
+    table = stage.src_ids[(uniq // n_shards)[:, None], groups[uniq % n_shards]]
+    T = len(stage.members)
+    nbytes = (np.tile(p.vol, T) * np.repeat(stage.itemsize, M))[rows]
+    return Choice(gi, rows, table, cls.ravel(), nbytes, stage.pdst[rows], p)
+
+
+def _add_fixed_load(stage: _Stage, fixed_load: dict[int, float]) -> None:
+    """Adds the bytes each sender of a fixed-sender group sends, per mesh pair."""
+    if not len(stage.pieces.dst_pos):
+        return
+    weight = np.bincount(stage.inv, weights=stage.itemsize, minlength=len(stage.pdst_c))
+    send = ~stage.local_c
+    for c in np.nonzero(weight)[0]:
+        ids, b = stage.psrc_c[c][send[c]], stage.pieces.vol[send[c]] * weight[c]
+        uniq, inv = np.unique(ids, return_inverse=True)
+        totals = np.bincount(inv.ravel(), weights=b, minlength=len(uniq))
+        for sid, total in zip(uniq.tolist(), totals.tolist(), strict=True):
+            fixed_load[sid] = fixed_load.get(sid, 0.0) + total
+
+
+def _frozen(*arrays: np.ndarray) -> None:
+    for a in arrays:
+        a.setflags(write=False)
+
+
+def _assemble(stage: _Stage, chosen: bool, splits: list[Split] | None) -> tuple[GroupRows, np.ndarray]:
+    """A group's rows sorted by (tensor, dst, src, box), and each tensor's row bounds [T + 1]."""
+    p, T, M = stage.pieces, len(stage.members), len(stage.pieces.dst_pos)
+    if splits is None and M and not chosen:
+        # Senders fixed by the mesh pair: keep one sorted row set per pair.
+        perms = pair_order(p, stage.pdst_c, stage.psrc_c)
+        take = (lambda x: x) if perms is None else (lambda x: np.take_along_axis(x, perms, axis=1))
+        ps, pd = take(stage.psrc_c), take(stage.pdst_c)
+        _frozen(ps, pd, stage.inv, stage.itemsize)
+        rows = GroupRows(stage.lower, stage.naive, pieces=p, perm=perms, psrc=ps, pdst=pd,
+                         inv=stage.inv, itemsize=stage.itemsize)
+        return rows, np.arange(T + 1) * M
+    if splits is None and M:
+        order = presorted_rows(p, stage.inv, stage.pdst_c)
+        if order is not None:
+            return _presorted_group(stage, order), np.arange(T + 1) * M
+    return _general_group(stage, splits or [])
+
+
+def _presorted_group(stage: _Stage, order: np.ndarray) -> GroupRows:
+    p, T, M, itemsize = stage.pieces, len(stage.members), len(stage.pieces.dst_pos), stage.itemsize
+    uniform = bool((itemsize == itemsize[0]).all())
+    if order is IN_ORDER:
+        s, d = stage.psrc, stage.pdst
+        nbytes = np.tile(p.vol * int(itemsize[0]), T) if uniform else np.tile(p.vol, T) * np.repeat(itemsize, M)
+        lo, hi = np.tile(p.lo, (T, 1)), np.tile(p.hi, (T, 1))
+    else:
+        s, d = stage.psrc[order], stage.pdst[order]
+        piece = order % M
+        vol = p.vol[piece]
+        nbytes = vol * int(itemsize[0]) if uniform else vol * np.repeat(itemsize, M)
+        lo, hi = p.lo[piece], p.hi[piece]
+    _frozen(s, d, nbytes)
+    return GroupRows(stage.lower, stage.naive, s, d, nbytes, lo, hi)
+
+
+def _general_group(stage: _Stage, splits: list[Split]) -> tuple[GroupRows, np.ndarray]:
+    """Rows built and sorted one by one: split rows, or orders that depend on the senders."""
+    p, T, M = stage.pieces, len(stage.members), len(stage.pieces.dst_pos)
+    lo, hi = np.tile(p.lo, (T, 1)), np.tile(p.hi, (T, 1))
+    t, s, d = np.repeat(np.arange(T, dtype=np.int64), M), stage.psrc, stage.pdst
+    if splits:
+        # An original row shrinks in place, a split-off part is a new row.
+        for e in splits:
+            if not e.is_new:
+                lo[e.row], hi[e.row] = e.lo, e.hi
+        grown = [e for e in splits if e.is_new]
+        ndim = lo.shape[1]
+        t = np.concatenate([t, np.array([t[e.row] for e in grown], np.int64)])
+        s = np.concatenate([s, np.array([e.src for e in grown], np.int64)])
+        d = np.concatenate([d, np.array([d[e.row] for e in grown], np.int64)])
+        lo = np.concatenate([lo, np.array([e.lo for e in grown], np.int64).reshape(-1, ndim)])
+        hi = np.concatenate([hi, np.array([e.hi for e in grown], np.int64).reshape(-1, ndim)])
+    vol = np.prod(hi - lo, axis=1, dtype=np.int64) if lo.shape[1] else np.ones(len(t), np.int64)
+    keep = vol > 0
+    t, s, d, lo, hi, vol = t[keep], s[keep], d[keep], lo[keep], hi[keep], vol[keep]
+    sort_keys = [lo[:, k] for k in range(lo.shape[1] - 1, -1, -1)] + [s, d, t]
+    order = np.lexsort(sort_keys) if len(t) else np.zeros(0, np.int64)
+    t, s, d, lo, hi, vol = t[order], s[order], d[order], lo[order], hi[order], vol[order]
+    nbytes = vol * stage.itemsize[t]
+    _frozen(s, d, lo, hi, nbytes)
+    return GroupRows(stage.lower, stage.naive, s, d, nbytes, lo, hi), np.searchsorted(t, np.arange(T + 1))
