@@ -25,8 +25,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from jreshard.core.box import Box
 from jreshard.core.layout import Layout
-from jreshard.core.planner import Plan, TensorPlan
-from jreshard.core.planner import _fmt as format_amount
+from jreshard.core.plans import Plan, TensorPlan
+from jreshard.core.stats import format_amount
 
 __all__ = ["Color", "device_colors"]
 
@@ -90,10 +90,9 @@ def require_drawable(layout: Any, arg: str) -> Layout:
             f"{arg} must be a jreshard.Layout, got {type(layout).__name__} {layout!r}; "
             "build one with jreshard.Layout(shape, mesh, spec)."
         )
-    ndim = len(layout.shape)
-    if ndim > 2:
+    if layout.ndim > 2:
         raise ValueError(
-            f"{arg} has shape {layout.shape} (ndim {ndim}); only tensors of 0, 1 or 2 dims can be "
+            f"{arg} has shape {layout.shape} (ndim {layout.ndim}); only tensors of 0, 1 or 2 dims can be "
             "drawn. Draw a 2-D layout with the same spec on the dims you care about."
         )
     return layout
@@ -122,10 +121,9 @@ class Rect(NamedTuple):
 
 def box_rect(layout: Layout, box: Box) -> Rect:
     """The rectangle of a box of ``layout``: a 1-dim tensor is one row, a 0-dim one a unit square."""
-    ndim = len(layout.shape)
-    if ndim == 2:
+    if layout.ndim == 2:
         rows, cols = box
-    elif ndim == 1:
+    elif layout.ndim == 1:
         rows, cols = slice(0, 1), box[0]
     else:
         rows, cols = slice(0, 1), slice(0, 1)
@@ -134,9 +132,8 @@ def box_rect(layout: Layout, box: Box) -> Rect:
 
 def extent(layout: Layout) -> tuple[int, int]:
     """(rows, cols) of the drawing of ``layout``."""
-    ndim = len(layout.shape)
-    if ndim == 2:
+    if layout.ndim == 2:
         return layout.shape[0], layout.shape[1]
-    if ndim == 1:
+    if layout.ndim == 1:
         return 1, layout.shape[0]
     return 1, 1

@@ -121,22 +121,20 @@ def _shard_ticks(ax: Any, layout: Layout) -> None:
         step = max(1, math.ceil((len(edges) - 1) / 8))
         return edges[::step] if edges[-1] in edges[::step] else edges[::step] + [edges[-1]]
 
-    ndim = len(layout.shape)
-    if ndim == 2:
+    if layout.ndim == 2:
         ax.set_yticks(bounds(0))
         ax.set_xticks(bounds(1))
-    elif ndim == 1:
+    elif layout.ndim == 1:
         ax.set_xticks(bounds(0))
     for label in [*ax.get_xticklabels(), *ax.get_yticklabels()]:
         label.set_fontsize(7)
 
 
 def _dim_labels(ax: Any, layout: Layout) -> None:
-    ndim = len(layout.shape)
-    if ndim == 2:
+    if layout.ndim == 2:
         ax.set_xlabel(f"dim 1 ({layout.shape[1]})")
         ax.set_ylabel(f"dim 0 ({layout.shape[0]})")
-    elif ndim == 1:
+    elif layout.ndim == 1:
         ax.set_xlabel(f"dim 0 ({layout.shape[0]})")
         ax.set_yticks([])
     else:

@@ -21,12 +21,12 @@ from matplotlib.patches import Rectangle
 
 from jreshard.core.box import Box
 from jreshard.core.layout import Layout
-from jreshard.core.planner import TensorPlan
+from jreshard.core.plans import TensorPlan
+from jreshard.core.stats import format_amount
 from jreshard.viz.common import (
     Color,
     box_rect,
     device_colors,
-    format_amount,
     mesh_text,
     new_figure,
     require_drawable,

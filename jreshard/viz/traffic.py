@@ -23,8 +23,9 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from jreshard.core.planner import Plan, PlanStats, TensorPlan
-from jreshard.viz.common import byte_ticks, bytes_axis, bytes_label, format_amount, new_figure
+from jreshard.core.plans import Plan, TensorPlan
+from jreshard.core.stats import PlanStats, format_amount
+from jreshard.viz.common import byte_ticks, bytes_axis, bytes_label, new_figure
 
 __all__ = ["Traffic", "draw_load", "draw_traffic", "traffic_matrix"]
 
