@@ -66,10 +66,10 @@ def _plan(args):
         # side then holds [in, out] slices). Isolates the bridge's transport and pipeline overhead.
         rules = [dataclasses.replace(r, transpose=False, shard=1 - r.shard if r.transpose and r.shard is not None
                                      else r.shard) for r in bridge.llama_rules(cfg, fused=True)]
-        mapping = bridge.tp_mapping(src, rules, list(RECEIVERS), dtype="float32")
+        param_map = bridge.tp_param_map(src, rules, list(RECEIVERS), dtype="float32")
     else:
-        mapping = bridge.llama_mapping(cfg, src, list(RECEIVERS), fused=True, dtype="bfloat16")
-    return cfg, src, bridge.BridgePlan(src, mapping, bucket_bytes=args.bucket_mb << 20)
+        param_map = bridge.llama_param_map(cfg, src, list(RECEIVERS), fused=True, dtype="bfloat16")
+    return cfg, src, bridge.BridgePlan(src, param_map, bucket_bytes=args.bucket_mb << 20)
 
 
 def _timed(fn, profile: bool = False) -> float:
@@ -104,16 +104,16 @@ def worker(args) -> None:
     cfg, src, plan = _plan(args)
     bridge.init_group(rank, WORLD, port=args.port, timeout=300)
     bcast = dist.new_group([0, *RECEIVERS])
-    pairs = sorted({(t.src_rank, t.dst) for t in plan.transfers})
-    pair_bytes = {p: sum(t.nbytes for t in plan.transfers if (t.src_rank, t.dst) == p) for p in pairs}
+    pairs = sorted({(t.src_rank, t.dst) for t in plan.moves})
+    pair_bytes = {p: sum(t.nbytes for t in plan.moves if (t.src_rank, t.dst) == p) for p in pairs}
     raw = {p: torch.empty(n, dtype=torch.uint8) for p, n in pair_bytes.items() if rank in p}
     times: dict[str, list[float]] = {"bridge": [], "swap": [], "gather": [], "raw": [], "floor": [], "rawb": []}
     # The copies the layout forces, as contiguous copies of as many bytes: the sender packs the
     # pieces not contiguous in its (cast, transposed) shards, the receiver unpacks those not
-    # contiguous in its targets (BridgePlan.segments tells which).
+    # contiguous in its params (BridgePlan.segments tells which).
     segs = [(m, seg) for m in plan.messages if rank in (m.src, m.dst) for seg in plan.segments(m)]
-    pack_bytes = sum(b - a for m, (a, b, _, src_direct, _) in segs if m.src == rank and not src_direct)
-    unpack_bytes = sum(b - a for m, (a, b, _, _, dst_direct) in segs if m.dst == rank and not dst_direct)
+    pack_bytes = sum(seg.stop - seg.start for m, seg in segs if m.src == rank and not seg.src_direct)
+    unpack_bytes = sum(seg.stop - seg.start for m, seg in segs if m.dst == rank and not seg.dst_direct)
     forced = [torch.ones(n, dtype=torch.uint8) for n in (pack_bytes or unpack_bytes,) * 2]
 
     by_bucket: dict[int, list] = {}  # this rank's messages per bucket
@@ -142,7 +142,8 @@ def worker(args) -> None:
 
     if rank in TRAINERS:
         import jax
-        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
 
         from bridge.sender import Sender
         from jreshard.nn import fsdp_spec
@@ -172,9 +173,9 @@ def worker(args) -> None:
         import jax.numpy as jnp
 
         # The cast+transposes the bridge's sender runs: one per (leaf, source device, permutation).
-        layout_work = sorted({(t.source, t.src, perm, dtype) for t in plan.transfers if t.src_rank == rank
-                              for perm, dtype in [(plan.dst_region(t)[1], plan.target(t.target, t.dst).dtype)]
-                              if perm != tuple(range(len(perm))) or dtype != src.layout(t.source).dtype})
+        layout_work = sorted({(t.leaf, t.src, perm, dtype) for t in plan.moves if t.src_rank == rank
+                              for perm, dtype in [(plan.dst_region(t)[1], plan.param(t.param, t.dst).dtype)]
+                              if perm != tuple(range(len(perm))) or dtype != src.layout(t.leaf).dtype})
         relayout = jax.jit(lambda x, perm, dtype: jnp.transpose(x.astype(dtype), perm), static_argnums=(1, 2))
 
         def floor():
@@ -186,8 +187,8 @@ def worker(args) -> None:
 
         for rep in range(args.reps + 1):
             step = rep + 1
-            tb = _timed(lambda: sender.sync(params, version=step), args.profile and rep == args.reps)
-            ts = _timed(lambda: sender.sync(params, version=step))
+            tb = _timed(lambda step=step: sender.sync(params, version=step), args.profile and rep == args.reps)
+            ts = _timed(lambda step=step: sender.sync(params, version=step))
             tg = _timed(gather)
             tr = _timed(raw_p2p)
             tf = _timed(floor)
@@ -196,26 +197,25 @@ def worker(args) -> None:
                 for k, t in (("bridge", tb), ("swap", ts), ("gather", tg), ("raw", tr), ("floor", tf), ("rawb", trb)):
                     times[k].append(t)
     else:
-        targets = plan.mapping.for_rank(rank)
-        wire = getattr(torch, targets[0].dtype)
-        local = {t.name: torch.zeros(t.shape, dtype=wire) for t in targets}
+        mine = plan.param_map.for_rank(rank)
+        wire = getattr(torch, mine[0].dtype)
+        local = {p.name: torch.zeros(p.shape, dtype=wire) for p in mine}
         receiver = bridge.Receiver(plan, local, rank=rank, timeout=300)
-        swapped = {t.name: torch.zeros(t.shape, dtype=wire) for t in targets}
+        swapped = {p.name: torch.zeros(p.shape, dtype=wire) for p in mine}
         swapper = bridge.Receiver(plan, swapped, rank=rank, timeout=300, swap=True)
-        sliced = {t.name: torch.zeros(t.shape, dtype=wire) for t in targets}
+        sliced = {p.name: torch.zeros(p.shape, dtype=wire) for p in mine}
         by_leaf: dict[str, list] = {}
-        for t in targets:
-            for r in t.regions:
-                by_leaf.setdefault(r.source, []).append((t.name, r))
+        for p in mine:
+            for r in p.regions:
+                by_leaf.setdefault(r.leaf, []).append((p.name, r))
 
         def gather():
             for path, layout in src.items():
                 full = torch.empty(layout.shape, dtype=wire)
                 dist.broadcast(full, src=0, group=bcast)
                 for name, r in by_leaf.get(path, []):
-                    box = tuple(slice(a, b) for a, b in r.box)
                     dst = tuple(slice(o, o + n) for o, n in zip(r.offset, r.shape, strict=True))
-                    sliced[name][dst].copy_(full[box].permute(r.transpose))
+                    sliced[name][dst].copy_(full[r.box.slices()].permute(r.transpose))
 
         def floor():
             raw_p2p()
@@ -235,7 +235,7 @@ def worker(args) -> None:
         if rank == RECEIVERS[0]:
             out = {"times": times, "bridge_equals_gather": same, "network_bytes": plan.network_bytes,
                    "recv_bytes": plan.rank_bytes()["recv"], "buckets": plan.num_buckets,
-                   "model_bytes_f32": sum(4 * int(np.prod(l.shape)) for _, l in src.items()),
+                   "model_bytes_f32": sum(4 * int(np.prod(lay.shape)) for _, lay in src.items()),
                    "transfers": len(plan.transfers), "messages": len(plan.messages)}
             print("RESULT " + json.dumps(out), flush=True)
     dist.barrier()
@@ -286,7 +286,7 @@ def main() -> None:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
-    lines = [l for o in outputs for l in o.splitlines() if l.startswith("RESULT ")]
+    lines = [line for o in outputs for line in o.splitlines() if line.startswith("RESULT ")]
     if not lines:
         print("\n".join(o[-3000:] for o in outputs))
         raise SystemExit("benchmark failed: no result")
@@ -320,7 +320,8 @@ def _report(args, res) -> None:
           f"{res['bridge_equals_gather']}")
     print(f"repetitions: {args.reps} (after one warm-up), medians:")
     for k, label in (("bridge", "bridge"), ("swap", "bridge, swap=True"), ("gather", "gather-then-broadcast"),
-                     ("raw", "raw p2p, same bytes"), ("floor", "floor: layout work + raw"), ("rawb", "raw p2p in the bridge's buckets")):
+                     ("raw", "raw p2p, same bytes"), ("floor", "floor: layout work + raw"),
+                     ("rawb", "raw p2p in the bridge's buckets")):
         ts = res["times"][k]
         print(f"  {label:<32} {med[k] * 1e3:9.1f} ms   {nbytes / med[k] / 1e9:6.2f} GB/s of bridge bytes   "
               f"(min {min(ts) * 1e3:.1f}, max {max(ts) * 1e3:.1f})")

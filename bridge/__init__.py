@@ -1,52 +1,64 @@
 """bridge: sync JAX-sharded weights into PyTorch ranks over torch.distributed.
 
-Importing this package imports neither jax nor torch: the mapping and planning
-layer is pure, so inference processes (torch only) and trainer processes (JAX)
+Importing this package imports neither jax nor torch: params, rules and plans
+are pure, so inference processes (torch only) and trainer processes (JAX)
 compute the same plan. ``Receiver`` and ``init_group`` import torch on first use;
-``bridge.sender.Sender`` (trainer processes only) imports jax.
+``bridge.sender.Sender`` (trainer processes only) imports jax. The words
+(param, region, rule, param map, piece, message, bucket, rank) are those of
+``docs/glossary.md``.
+
+Modules: ``_source`` (the trainer side over source ids), ``_param_map`` (params
+and regions), ``_rules`` (rules, TP and DTensor param maps), ``_reduce`` and
+``_plan`` (the plan), ``_plan_key`` (what a fingerprint covers), ``_wire`` (the
+torch.distributed protocol), ``receiver``, ``sender``; model recipes live in
+``bridge.recipes``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from bridge._mapping import (
-    Mapping,
-    Region,
-    Rule,
-    Target,
-    dtensor_targets,
-    llama_mapping,
-    llama_rules,
-    tp_mapping,
-)
-from bridge._plan import BridgePlan, Message, Transfer
+from bridge._param_map import Param, ParamMap, Region
+from bridge._plan import BridgePlan, Message, ParamMove, Piece, Segment
+from bridge._rules import Rule, dtensor_params, tp_param_map
 from bridge._source import SOURCE_BASE, Source, source_id, split_source_id, trainer_mesh
+from bridge.recipes.llama import llama_param_map, llama_rules
 
 __all__ = [
     "BridgePlan",
-    "Mapping",
     "Message",
+    "Param",
+    "ParamMap",
+    "ParamMove",
+    "Piece",
     "PlanMismatchError",
     "Receiver",
     "Region",
     "Rule",
     "SOURCE_BASE",
+    "Segment",
     "Source",
     "SyncError",
-    "Target",
-    "Transfer",
-    "dtensor_mapping",
-    "dtensor_targets",
+    "dtensor_param_map",
+    "dtensor_params",
     "init_group",
-    "llama_mapping",
+    "llama_param_map",
     "llama_rules",
     "reject_sync",
     "source_id",
     "split_source_id",
-    "tp_mapping",
+    "tp_param_map",
     "trainer_mesh",
 ]
+
+# Old names, kept so that existing code keeps working (not in __all__: ``Mapping`` would
+# shadow collections.abc.Mapping under a star import).
+Target = Param
+Mapping = ParamMap
+Transfer = ParamMove
+tp_mapping = tp_param_map
+llama_mapping = llama_param_map
+dtensor_targets = dtensor_params
 
 # torch-side names, imported on first use (they import torch, never jax).
 _LAZY: dict[str, str] = {
@@ -55,6 +67,7 @@ _LAZY: dict[str, str] = {
     "PlanMismatchError": "bridge._wire",
     "init_group": "bridge._wire",
     "reject_sync": "bridge._wire",
+    "dtensor_param_map": "bridge.receiver",
     "dtensor_mapping": "bridge.receiver",
 }
 

@@ -1,135 +1,115 @@
-"""The sync plan: mapping regions reduced to Layout pairs, planned by jreshard, bucketed.
+"""The sync plan: param moves planned by jreshard, cut to fit buckets, packed into messages.
 
-Every region group (one region index of one torch parameter across the ranks
-that hold it) becomes a destination Layout over torch ranks in the leaf's own
-coordinates: a regular Layout when the ranks' boxes are a JAX-style split of
-the whole leaf (plain tensor parallelism), otherwise one Layout pair per cell
-of the grid cut by the source shards and the destination boxes (padded
-vocabularies, sub-boxes). ``jreshard.plan_layouts`` plans all of them at once,
-so replicated trainer shards are balanced across the whole model. Nothing here
-touches torch or jax: both sides build the same ``BridgePlan`` and compare its
-``fingerprint``.
+``bridge._reduce`` turns every region group into Layout pairs; ``jreshard.plan_layouts``
+plans all of them at once, so replicated trainer shards are balanced across the
+whole model. Each planned move into a param region becomes one or more
+``ParamMove``s (cut to fit ``bucket_bytes``), each placed as a ``Piece`` at an
+aligned offset of a ``Message``: the bytes of one bucket from one sender rank to
+one receiver rank. Nothing here touches torch or jax: both sides build the same
+``BridgePlan`` and compare its ``fingerprint``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import itertools
-import math
 from collections import defaultdict
-from collections.abc import Iterator, Mapping as MappingABC
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from jreshard import Layout, Mesh, plan_layouts
-
-from bridge._mapping import Bounds, Mapping, Target
+from bridge._param_map import Param, ParamMap
+from bridge._reduce import Job, jobs
 from bridge._source import Source, split_source_id
+from jreshard.core.box import Box, split_box
+from jreshard.core.dtypes import numpy_dtype
+from jreshard.core.planner import plan_layouts
 
-__all__ = ["Transfer", "Message", "BridgePlan", "FORMAT_VERSION", "ALIGN"]
+__all__ = ["ParamMove", "Piece", "Message", "Segment", "BridgePlan", "FORMAT_VERSION", "ALIGN", "WIRE_DTYPES"]
 
 FORMAT_VERSION = 2
 ALIGN = 64  # bytes; every piece in a message starts aligned, so any dtype view is valid
+# The param dtypes the wire carries: each has a torch dtype of the same name and itemsize.
+WIRE_DTYPES = ("float32", "bfloat16", "float16", "float64", "int32", "int64", "int8", "uint8", "bool")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Transfer:
-    """Send ``leaf[box]`` from trainer device ``src`` (a source id) to region ``region`` of ``target`` on ``dst``."""
+class ParamMove:
+    """Send ``leaf[box]`` from trainer device ``src`` (a source id) into region ``region`` of ``param`` on ``dst``.
+
+    A planned move cut to fit ``bucket_bytes``; placed in a message it is a ``Piece``.
+    """
 
     src: int
     dst: int
-    source: str
-    box: Bounds
-    target: str
+    leaf: str
+    box: Box
+    param: str
     region: int
     nbytes: int
 
     @property
     def src_rank(self) -> int:
+        """The torch rank of the trainer process that holds ``src``."""
         return split_source_id(self.src)[0]
+
+    @property
+    def source(self) -> str:
+        """The old name of ``leaf``."""
+        return self.leaf
+
+    @property
+    def target(self) -> str:
+        """The old name of ``param``."""
+        return self.param
+
+
+class Piece(NamedTuple):
+    """Move number ``move`` of the plan at byte ``offset`` of its message (a multiple of ``ALIGN``)."""
+
+    move: int
+    offset: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Message:
-    """One contiguous buffer from rank ``src`` to rank ``dst`` in ``bucket``: (transfer index, byte offset) items."""
+    """The bytes of ``bucket`` from rank ``src`` to rank ``dst``: one buffer of pieces."""
 
     bucket: int
     src: int
     dst: int
     nbytes: int
-    items: tuple[tuple[int, int], ...]
+    pieces: tuple[Piece, ...]
+
+    @property
+    def items(self) -> tuple[Piece, ...]:
+        """The old name of ``pieces``."""
+        return self.pieces
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Job:
-    name: str
-    source: str
-    origin: tuple[int, ...]
-    regions: dict  # dst rank -> (target name, region index)
-    src: Layout
-    dst: Layout
+class Segment(NamedTuple):
+    """Bytes ``[start, stop)`` of a message, sent by one point-to-point operation.
+
+    ``piece`` is the index in ``Message.pieces`` of a piece that travels alone because it is
+    one contiguous block of the sender's (cast, transposed) shard (``src_direct``) or of the
+    receiver's param (``dst_direct``); ``None`` for a run of pieces packed together.
+    """
+
+    start: int
+    stop: int
+    piece: int | None
+    src_direct: bool
+    dst_direct: bool
 
 
-def _regular_dst(shape: tuple[int, ...], entries: list[tuple[int, Bounds]], dtype: str) -> Layout | None:
-    """A Layout whose shards are exactly ``entries`` (rank, box), if the boxes are a JAX-style split."""
-    index = []
-    for d, n in enumerate(shape):
-        iv = sorted({b[d] for _, b in entries})
-        c = -(-n // len(iv))
-        if iv != [(min(i * c, n), min((i + 1) * c, n)) for i in range(len(iv))]:
-            return None
-        index.append({v: i for i, v in enumerate(iv)})
-    cells: dict[tuple, list[int]] = defaultdict(list)
-    for rank, b in entries:
-        cells[tuple(index[d][b[d]] for d in range(len(shape)))].append(rank)
-    ks = [len(ix) for ix in index]
-    reps = {len(v) for v in cells.values()}
-    if len(cells) != math.prod(ks) or len(reps) != 1:
-        return None
-    devices = np.zeros(ks + [reps.pop()], dtype=np.int64)
-    for cell, ranks in cells.items():
-        devices[cell] = sorted(ranks)
-    axes = tuple(f"d{d}" for d in range(len(shape))) + ("replica",)
-    spec = tuple(f"d{d}" if ks[d] > 1 else None for d in range(len(shape)))
-    return Layout(shape, Mesh(devices, axes), spec, dtype)
-
-
-def _cells(src: Layout, entries: list[tuple[int, Bounds]]) -> Iterator[tuple[Bounds, list[int]]]:
-    """The grid cells cut by source shards and destination boxes, with the ranks that want each."""
-    cuts = []
-    for d in range(src.rank):
-        lo = min(b[d][0] for _, b in entries)
-        hi = max(b[d][1] for _, b in entries)
-        pts = {lo, hi}
-        for box in src.shards().values():
-            pts.update(x for x in (box[d].start, box[d].stop) if lo < x < hi)
-        for _, b in entries:
-            pts.update(b[d])
-        pts_s = sorted(pts)
-        cuts.append(list(zip(pts_s[:-1], pts_s[1:], strict=True)) or [(lo, hi)])
-    for cell in itertools.product(*cuts):
-        if any(a >= b for a, b in cell) and src.rank:
-            continue
-        want = [r for r, b in entries if all(bl <= a and c <= bh for (a, c), (bl, bh) in zip(cell, b, strict=True))]
-        if want:
-            yield tuple(cell), want
-
-
-def _split_box(box: Bounds, itemsize: int, cap: int) -> Iterator[Bounds]:
-    """Cuts ``box`` into pieces of at most ``cap`` bytes (a single element may exceed it)."""
-    vol = math.prod(hi - lo for lo, hi in box)
-    if vol * itemsize <= cap:
-        yield box
-        return
-    for d, (lo, hi) in enumerate(box):
-        if hi - lo > 1:
-            step = max(1, cap // (vol // (hi - lo) * itemsize))
-            for a in range(lo, hi, step):
-                yield from _split_box(box[:d] + ((a, min(a + step, hi)),) + box[d + 1:], itemsize, cap)
-            return
-    yield box
+def _check_wire_dtypes(param_map: ParamMap) -> None:
+    for p in param_map.params:
+        if p.dtype not in WIRE_DTYPES:
+            raise ValueError(
+                f"param {p.name!r} on rank {p.rank} has dtype {p.dtype}, which the wire cannot carry; "
+                f"give the param map one of {list(WIRE_DTYPES)} (the trainer casts at the sender)."
+            )
 
 
 class BridgePlan:
@@ -137,201 +117,204 @@ class BridgePlan:
 
     Args:
       source: the trainer leaves and their Layouts over source ids.
-      mapping: every torch rank's targets.
+      param_map: every torch rank's params (``mapping=`` is its old name).
       bucket_bytes: the most bytes one rank sends, or receives, per bucket (its staging memory).
       balance: balance replicated trainer shards across senders (see ``jreshard.plan``).
 
+    Raises:
+      TypeError: ``source`` or ``param_map`` is of the wrong kind.
+      ValueError: a region leaves its leaf, a rank is both trainer and receiver, a param's
+        dtype cannot travel on the wire, or ``bucket_bytes`` is below ``ALIGN``.
+
     Example:
-      >>> from bridge import Source, Rule, tp_mapping, trainer_mesh
+      >>> from bridge import Source, Rule, tp_param_map, trainer_mesh
       >>> from jreshard import Layout
       >>> src = Source({"w": Layout((4, 6), trainer_mesh((2,), "fsdp", [0], 2), ("fsdp",), "float32")})
-      >>> m = tp_mapping(src, [Rule("w", "linear.weight", transpose=True, shard=0)], tp_ranks=[1, 2])
+      >>> m = tp_param_map(src, [Rule("w", "linear.weight", transpose=True, shard=0)], tp_ranks=[1, 2])
       >>> p = BridgePlan(src, m)
-      >>> [(t.src, t.dst, t.box) for t in p.transfers]  # doctest: +NORMALIZE_WHITESPACE
-      [(1000000, 1, ((0, 2), (0, 3))), (1000001, 1, ((2, 4), (0, 3))),
-       (1000000, 2, ((0, 2), (3, 6))), (1000001, 2, ((2, 4), (3, 6)))]
+      >>> [(t.src, t.dst, str(t.box)) for t in p.moves]  # doctest: +NORMALIZE_WHITESPACE
+      [(1000000, 1, '[0:2, 0:3]'), (1000001, 1, '[2:4, 0:3]'),
+       (1000000, 2, '[0:2, 3:6]'), (1000001, 2, '[2:4, 3:6]')]
       >>> p.network_bytes, p.num_buckets, len(p.fingerprint)
       (96, 1, 32)
     """
 
-    def __init__(self, source: Source, mapping: Mapping, *, bucket_bytes: int = 16 << 20, balance: bool = True) -> None:
+    def __init__(self, source: Source, param_map: ParamMap | None = None, *, bucket_bytes: int = 16 << 20,
+                 balance: bool = True, mapping: ParamMap | None = None) -> None:
         if not isinstance(source, Source):
             raise TypeError(f"source must be a bridge.Source, got {type(source).__name__}.")
-        if not isinstance(mapping, Mapping):
-            raise TypeError(f"mapping must be a bridge.Mapping, got {type(mapping).__name__}.")
+        if param_map is None:
+            param_map = mapping
+        elif mapping is not None:
+            raise TypeError("give param_map or its old name mapping=, not both.")
+        if not isinstance(param_map, ParamMap):
+            raise TypeError(f"param_map must be a bridge.ParamMap, got {type(param_map).__name__}.")
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < ALIGN:
             raise ValueError(f"bucket_bytes must be an int >= {ALIGN}, got {bucket_bytes!r}.")
-        mapping.check(source)
-        clash = set(mapping.ranks) & set(source.ranks)
+        param_map.check(source)
+        _check_wire_dtypes(param_map)
+        clash = set(param_map.ranks) & set(source.ranks)
         if clash:
             raise ValueError(
                 f"ranks {sorted(clash)} are both trainer and inference ranks; a process either sends "
                 "(JAX trainer) or receives (torch inference)."
             )
-        self.source, self.mapping, self.bucket_bytes, self.balance = source, mapping, bucket_bytes, balance
-        self._targets = {(t.name, t.rank): t for t in mapping.targets}
-        self.jobs = self._jobs()
+        self.source, self.param_map, self.bucket_bytes, self.balance = source, param_map, bucket_bytes, balance
+        self._params = {(p.name, p.rank): p for p in param_map.params}
+        self.jobs: list[Job] = jobs(source, param_map)
         self.plan = plan_layouts([(j.name, j.src, j.dst) for j in self.jobs], balance=balance)
-        self.transfers = self._transfers()
+        self.moves = self._moves()
         self.messages, self.num_buckets = self._bucket()
-        self._segments: dict[Message, tuple] = {}
+        self._segments: dict[Message, tuple[Segment, ...]] = {}
         self.fingerprint = self._fingerprint()
-        self._index: tuple[dict, dict] = (defaultdict(list), defaultdict(list))
+        sends: dict[tuple[int, int], list[Message]] = defaultdict(list)
+        recvs: dict[tuple[int, int], list[Message]] = defaultdict(list)
         for m in self.messages:
-            self._index[0][(m.src, m.bucket)].append(m)
-            self._index[1][(m.dst, m.bucket)].append(m)
-        self._index = (dict(self._index[0]), dict(self._index[1]))
+            sends[(m.src, m.bucket)].append(m)
+            recvs[(m.dst, m.bucket)].append(m)
+        self._sends, self._recvs = dict(sends), dict(recvs)
 
-    # ---------------------------------------------------------------- reduction
-    def _jobs(self) -> list[_Job]:
-        groups: dict[tuple, list[tuple[int, Any]]] = defaultdict(list)
-        for t in self.mapping.targets:
-            for k, r in enumerate(t.regions):
-                groups[(t.name, k, r.source, r.transpose, t.dtype)].append((t.rank, r))
-        jobs = []
-        for j, ((name, k, path, _, dtype), regs) in enumerate(groups.items()):
-            src = self.source.layout(path)
-            entries = [(rank, r.box) for rank, r in regs]
-            where = {rank: (name, k) for rank, _ in regs}
-            label = f"{j}:{name}#{k}"
-            dst = _regular_dst(src.shape, entries, dtype)
-            if dst is not None:
-                jobs.append(_Job(label, path, (0,) * src.rank, where, src, dst))
-                continue
-            for cell, want in _cells(src, entries):
-                shape = tuple(b - a for a, b in cell)
-                sl = tuple(slice(a, b) for a, b in cell)
-                cs = Layout(shape, Mesh(list(src.holders(sl)), "r"), (), src.dtype)
-                cd = Layout(shape, Mesh(sorted(want), "r"), (), dtype)
-                lo = tuple(a for a, _ in cell)
-                jobs.append(_Job(f"{label}@{list(lo)}", path, lo, {r: where[r] for r in want}, cs, cd))
-        return jobs
-
-    def _transfers(self) -> tuple[Transfer, ...]:
+    # ---------------------------------------------------------------- construction
+    def _moves(self) -> tuple[ParamMove, ...]:
         out = []
         for job in self.jobs:
             tp = self.plan[job.name]
             origin = np.array(job.origin, dtype=np.int64)
             for s, d, lo, hi in zip(tp.move_src, tp.move_dst, tp.move_lo, tp.move_hi, strict=True):
-                name, k = job.regions[int(d)]
-                box = tuple((int(a), int(b)) for a, b in zip(lo + origin, hi + origin, strict=True))
-                for piece in _split_box(box, tp.itemsize, self.bucket_bytes):
-                    n = math.prod(b - a for a, b in piece) * tp.itemsize
+                ref = job.regions[int(d)]
+                box = Box.from_bounds((lo + origin).tolist(), (hi + origin).tolist())
+                for part in split_box(box, tp.itemsize, self.bucket_bytes):
+                    n = part.size * tp.itemsize
                     if n:
-                        out.append(Transfer(int(s), int(d), job.source, piece, name, k, n))
+                        out.append(ParamMove(int(s), int(d), job.leaf, part, ref.param, ref.region, n))
         return tuple(out)
 
     def _bucket(self) -> tuple[tuple[Message, ...], int]:
-        bucket, send, recv = 0, defaultdict(int), defaultdict(int)
-        items: dict[tuple[int, int, int], list[int]] = defaultdict(list)
-        for i, t in enumerate(self.transfers):
+        bucket = 0
+        send: dict[int, int] = defaultdict(int)
+        recv: dict[int, int] = defaultdict(int)
+        members: dict[tuple[int, int, int], list[int]] = defaultdict(list)
+        for i, t in enumerate(self.moves):
             s, d = t.src_rank, t.dst
             if (send[s] + t.nbytes > self.bucket_bytes or recv[d] + t.nbytes > self.bucket_bytes) and (send or recv):
                 bucket, send, recv = bucket + 1, defaultdict(int), defaultdict(int)
             send[s] += _aligned(t.nbytes)
             recv[d] += _aligned(t.nbytes)
-            items[(bucket, s, d)].append(i)
+            members[(bucket, s, d)].append(i)
         messages = []
-        for (b, s, d), idx in sorted(items.items()):
+        for (b, s, d), idx in sorted(members.items()):
             off, pieces = 0, []
             for i in idx:
-                pieces.append((i, off))
-                off += _aligned(self.transfers[i].nbytes)
+                pieces.append(Piece(i, off))
+                off += _aligned(self.moves[i].nbytes)
             messages.append(Message(b, s, d, off, tuple(pieces)))
-        return tuple(messages), (bucket + 1 if self.transfers else 0)
+        return tuple(messages), (bucket + 1 if self.moves else 0)
 
     def _fingerprint(self) -> bytes:
-        body = repr((FORMAT_VERSION, self.source.key(), self.mapping.key(), self.bucket_bytes, self.balance,
-                     tuple(dataclasses.astuple(t) for t in self.transfers)))
+        body = repr((FORMAT_VERSION, self.source.key(), self.param_map.key(), self.bucket_bytes, self.balance,
+                     tuple(dataclasses.astuple(t) for t in self.moves)))
         return hashlib.sha256(body.encode()).digest()
 
     # ---------------------------------------------------------------- queries
-    def target(self, name: str, rank: int) -> Target:
-        return self._targets[(name, rank)]
+    @property
+    def mapping(self) -> ParamMap:
+        """The old name of ``param_map``."""
+        return self.param_map
+
+    @property
+    def transfers(self) -> tuple[ParamMove, ...]:
+        """The old name of ``moves``."""
+        return self.moves
+
+    def param(self, name: str, rank: int) -> Param:
+        """The param ``name`` on ``rank``."""
+        return self._params[(name, rank)]
+
+    def target(self, name: str, rank: int) -> Param:
+        """The old name of ``param``."""
+        return self.param(name, rank)
 
     def sends(self, rank: int, bucket: int) -> list[Message]:
         """The messages ``rank`` sends in ``bucket``, in plan order."""
-        return self._index[0].get((rank, bucket), [])
+        return self._sends.get((rank, bucket), [])
 
     def recvs(self, rank: int, bucket: int) -> list[Message]:
         """The messages ``rank`` receives in ``bucket``, in plan order."""
-        return self._index[1].get((rank, bucket), [])
+        return self._recvs.get((rank, bucket), [])
 
-    def segments(self, m: Message) -> tuple[tuple[int, int, int, bool, bool], ...]:
+    def segments(self, m: Message) -> tuple[Segment, ...]:
         """How message ``m`` travels: one point-to-point operation per segment, in order.
 
-        Each segment is ``(start, stop, item, src_direct, dst_direct)``: bytes ``[start, stop)``
-        of the message buffer. A piece that is contiguous in the sender's (cast, transposed)
-        shard (``src_direct``) or in the receiver's target (``dst_direct``) is a segment of its
-        own (``item`` is its index in ``m.items``) and skips the packing on that side; the
-        other pieces are packed together, runs of them forming one segment (``item == -1``).
-        Both sides derive the same segments from the plan.
+        A piece that is contiguous in the sender's (cast, transposed) shard or in the
+        receiver's param is a segment of its own and skips the packing on that side; the
+        other pieces are packed together, runs of them forming one segment. Both sides
+        derive the same segments from the plan.
         """
         hit = self._segments.get(m)
         if hit is not None:
             return hit
-        out: list[tuple[int, int, int, bool, bool]] = []
-        run: list[int] | None = None
-        for k, (i, off) in enumerate(m.items):
-            t = self.transfers[i]
+        out: list[Segment] = []
+        for k, (i, off) in enumerate(m.pieces):
+            t = self.moves[i]
             box, perm = self.dst_region(t)
             region = self.src_region(t)
-            shard = self.source.layout(t.source).shard_box(t.src)
+            shard = self.source.layout(t.leaf).shard_box(t.src)
             src_direct = _contiguous([region[p] for p in perm], [shard[p].stop - shard[p].start for p in perm])
-            dst_direct = _contiguous(box, self.target(t.target, t.dst).shape)
+            dst_direct = _contiguous(box, self.param(t.param, t.dst).shape)
             if src_direct or dst_direct:
-                run = None
-                out.append((off, off + t.nbytes, k, src_direct, dst_direct))
-            elif run is not None:
-                run[1] = off + t.nbytes
+                out.append(Segment(off, off + t.nbytes, k, src_direct, dst_direct))
+            elif out and out[-1].piece is None:
+                out[-1] = out[-1]._replace(stop=off + t.nbytes)  # extend the packed run
             else:
-                run = [off, off + t.nbytes, -1, False, False]
-                out.append(run)  # type: ignore[arg-type]
-        hit = self._segments[m] = tuple(tuple(x) for x in out)  # type: ignore[misc]
+                out.append(Segment(off, off + t.nbytes, None, False, False))
+        hit = self._segments[m] = tuple(out)
         return hit
 
-    def src_region(self, t: Transfer) -> tuple[slice, ...]:
-        """The transfer's box in the coordinates of its source device's shard."""
-        shard = self.source.layout(t.source).shard_box(t.src)
-        return tuple(slice(a - s.start, b - s.start) for (a, b), s in zip(t.box, shard, strict=True))
+    def segment_pieces(self, m: Message) -> list[list[Piece]]:
+        """The pieces of each of ``segments(m)``, in order."""
+        return [[m.pieces[s.piece]] if s.piece is not None else [p for p in m.pieces if s.start <= p.offset < s.stop]
+                for s in self.segments(m)]
 
-    def dst_region(self, t: Transfer) -> tuple[tuple[slice, ...], tuple[int, ...]]:
-        """(the box in the target's local tensor, the permutation leaf dims -> torch dims)."""
-        region = self.target(t.target, t.dst).regions[t.region]
+    def src_region(self, t: ParamMove) -> tuple[slice, ...]:
+        """The move's box in the coordinates of its source device's shard."""
+        return t.box.relative_to(self.source.layout(t.leaf).shard_box(t.src))
+
+    def dst_region(self, t: ParamMove) -> tuple[tuple[slice, ...], tuple[int, ...]]:
+        """(the box in the param's local tensor, the permutation leaf dims -> torch dims)."""
+        region = self.param(t.param, t.dst).regions[t.region]
         perm = region.transpose
-        box = tuple(slice(o + t.box[p][0] - region.box[p][0], o + t.box[p][1] - region.box[p][0])
+        box = tuple(slice(o + t.box[p].start - region.box[p].start, o + t.box[p].stop - region.box[p].start)
                     for o, p in zip(region.offset, perm, strict=True))
         return box, perm
 
     @property
     def network_bytes(self) -> int:
-        return sum(t.nbytes for t in self.transfers)
+        return sum(t.nbytes for t in self.moves)
 
     def rank_bytes(self) -> dict[str, dict[int, int]]:
         """Bytes each torch rank sends and receives."""
-        send, recv = defaultdict(int), defaultdict(int)
-        for t in self.transfers:
+        send: dict[int, int] = defaultdict(int)
+        recv: dict[int, int] = defaultdict(int)
+        for t in self.moves:
             send[t.src_rank] += t.nbytes
             recv[t.dst] += t.nbytes
         return {"send": dict(send), "recv": dict(recv)}
 
-    def reference(self, arrays: MappingABC[str, np.ndarray]) -> dict[int, dict[str, np.ndarray]]:
-        """The NumPy oracle: every rank's targets filled from global leaf arrays (zeros elsewhere)."""
-        from jreshard.core.reference import _np_dtype
-
+    def reference(self, arrays: Mapping[str, np.ndarray]) -> dict[int, dict[str, np.ndarray]]:
+        """The NumPy oracle: every rank's params filled from global leaf arrays (zeros elsewhere)."""
         out: dict[int, dict[str, np.ndarray]] = defaultdict(dict)
-        for t in self.mapping.targets:
-            out[t.rank][t.name] = np.zeros(t.shape, dtype=_np_dtype(t.dtype))
-        for t in self.transfers:
+        for p in self.param_map.params:
+            out[p.rank][p.name] = np.zeros(p.shape, dtype=numpy_dtype(p.dtype))
+        for t in self.moves:
             box, perm = self.dst_region(t)
-            piece = np.asarray(arrays[t.source])[tuple(slice(a, b) for a, b in t.box)]
-            dst = out[t.dst][t.target]
+            piece = np.asarray(arrays[t.leaf])[t.box]
+            dst = out[t.dst][t.param]
             dst[box] = piece.transpose(perm).astype(dst.dtype)
         return dict(out)
 
     def __repr__(self) -> str:
-        return (f"BridgePlan({len(self.source)} leaves -> {len(self.mapping)} targets, {len(self.transfers)} "
-                f"transfers, {self.network_bytes:,} B in {self.num_buckets} buckets, "
+        return (f"BridgePlan({len(self.source)} leaves -> {len(self.param_map)} params, {len(self.moves)} "
+                f"moves, {self.network_bytes:,} B in {self.num_buckets} buckets, "
                 f"fingerprint {self.fingerprint.hex()[:12]})")
 
 
@@ -346,4 +329,3 @@ def _contiguous(box: Any, shape: Any) -> bool:
 
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
-

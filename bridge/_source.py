@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from jreshard import Layout, Mesh
+from jreshard.core.layout import Layout
+from jreshard.core.mesh import Mesh
 
 __all__ = ["SOURCE_BASE", "MAX_LOCAL_DEVICES", "source_id", "split_source_id", "trainer_mesh", "Source"]
 
@@ -60,7 +61,7 @@ def trainer_mesh(shape: Sequence[int], axis_names: Any, ranks: Sequence[int], de
       >>> trainer_mesh((4,), "fsdp", ranks=[0, 1], devices_per_rank=2)
       Mesh(fsdp=4; devices [1000000, 1000001, 1001000, 1001001])
     """
-    ids = [source_id(r, l) for r in ranks for l in range(devices_per_rank)]
+    ids = [source_id(r, local) for r in ranks for local in range(devices_per_rank)]
     shape = tuple(shape)
     if math.prod(shape) != len(ids):
         raise ValueError(
@@ -100,8 +101,8 @@ class Source:
                     "devices with bridge.source_id(rank, local) (or build the mesh with bridge.trainer_mesh)."
                 )
         self._leaves = dict(sorted(leaves.items()))
-        self._key = tuple((p, l.shape, l.dtype, l.spec, l.mesh.shape, l.mesh.axis_names, l.mesh.device_ids)
-                          for p, l in self._leaves.items())
+        self._key = tuple((p, lay.shape, lay.dtype, lay.spec, lay.mesh.shape, lay.mesh.axis_names,
+                           lay.mesh.device_ids) for p, lay in self._leaves.items())
 
     @classmethod
     def build(cls, shapes: Mapping[str, Sequence[int]], mesh: Mesh,
@@ -141,7 +142,7 @@ class Source:
     @property
     def ranks(self) -> tuple[int, ...]:
         """The torch ranks of the trainer processes holding any leaf."""
-        return tuple(sorted({split_source_id(d)[0] for l in self._leaves.values() for d in l.mesh.device_ids}))
+        return tuple(sorted({split_source_id(d)[0] for lay in self._leaves.values() for d in lay.mesh.device_ids}))
 
     def key(self) -> tuple:
         """A canonical, hashable description (what the fingerprint covers)."""

@@ -5,13 +5,15 @@ Protocol of one sync, every rank of the group taking part:
 1. Handshake: one ``all_gather`` of a small int64 header per rank (magic, role,
    status, version, the plan's 32-byte fingerprint). A rank whose own checks
    failed sends a non-zero status; fingerprints or versions that differ raise
-   ``PlanMismatchError`` on every rank before any data moves.
+   ``PlanMismatchError`` on every rank before any data moves. On a fingerprint
+   mismatch the ranks also exchange what their fingerprints cover (JSON text,
+   ``bridge._plan_key``), so the error says what differs.
 2. Buckets: per bucket every rank posts one ``batch_isend_irecv``: per peer, one
    operation per segment of the message (``BridgePlan.segments``). Each piece starts
    at a 64-byte-aligned offset of the message and is laid out C-contiguous in the
-   torch parameter's dim order (the sender casts and transposes, the receiver only
-   copies blocks). A piece contiguous in the sender's cast/transposed shard is sent
-   from there; a piece contiguous in the receiver's target is received straight into
+   param's dim order (the sender casts and transposes, the receiver only copies
+   blocks). A piece contiguous in the sender's cast/transposed shard is sent from
+   there; a piece contiguous in the receiver's param is received straight into
    it; the other pieces travel packed, runs of them as one operation. Bucket buffers
    come from two arenas per side, so the sender packs bucket b+1 while bucket b is on
    the wire and the receiver unpacks bucket b while bucket b+1 arrives.
@@ -29,18 +31,21 @@ timed-out operation): destroy it and create a new one before the next sync.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
 import sys
 import time
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from bridge._plan import BridgePlan, Message
+from bridge._plan import WIRE_DTYPES, BridgePlan, Message
+from bridge._plan_key import decode, describe_difference, encode, plan_key
 
 __all__ = ["SyncError", "PlanMismatchError", "init_group", "run_sync", "reject_sync", "check_plan_and_rank",
            "new_arena", "torch_dtype", "TORCH_DTYPES"]
@@ -50,10 +55,23 @@ log = logging.getLogger("bridge")
 MAGIC = 0x6A72_6573  # "jres"
 SENDER, RECEIVER = 1, 2
 
-TORCH_DTYPES = {
-    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64,
-    "int32": torch.int32, "int64": torch.int64, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
-}
+TORCH_DTYPES = {name: getattr(torch, name) for name in WIRE_DTYPES}
+
+
+class _Op(NamedTuple):
+    """One point-to-point operation of a bucket: ``fn`` (isend or irecv) of ``buf`` with ``peer``."""
+
+    fn: Callable[..., Any]
+    peer: int
+    buf: torch.Tensor
+
+
+class _Bucket(NamedTuple):
+    """A bucket ready to post: its operations, and the messages it receives with their buffers."""
+
+    ops: list[_Op]
+    recvs: list[Message]
+    rbufs: list[torch.Tensor]
 
 
 class SyncError(RuntimeError):
@@ -85,7 +103,10 @@ def init_group(rank: int, world_size: int, *, port: int, host: str = "127.0.0.1"
         raise ValueError(f"rank {rank} must be below world_size {world_size}.")
     dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout))
-    return dist.group.WORLD
+    world = dist.group.WORLD
+    if world is None:
+        raise SyncError("torch.distributed.init_process_group returned without a default group.")
+    return world
 
 
 def new_arena() -> list:
@@ -142,9 +163,14 @@ def _handshake(plan: BridgePlan, rank: int, ranks: list[int], group, role: int, 
         prints.setdefault(np.array(h[4:], dtype=np.int64).tobytes(), []).append(r)
     if len(prints) > 1:
         groups = "; ".join(f"ranks {rs}: {fp.hex()[:16]}" for fp, rs in prints.items())
+        keys = _exchange_keys(plan, rank, ranks, group, timeout)
+        firsts = [rs[0] for rs in prints.values()]
+        differences = "; ".join(
+            f"ranks {_ranks_like(prints, r)} against ranks {_ranks_like(prints, firsts[0])}: "
+            f"{describe_difference(keys[r], keys[firsts[0]])}" for r in firsts[1:])
         raise PlanMismatchError(
-            f"rank {rank}: the ranks computed different sync plans ({groups}); nothing was sent. Build the "
-            "Source, Mapping and bucket_bytes from the same model config, mesh and ranks on every process."
+            f"rank {rank}: the ranks computed different sync plans ({groups}); nothing was sent. {differences}. "
+            "Build the Source, ParamMap and bucket_bytes from the same model config, mesh and ranks on every process."
         )
     versions = {h[3] for h in rows.values() if h[1] == SENDER}
     if len(versions) != 1:
@@ -153,10 +179,29 @@ def _handshake(plan: BridgePlan, rank: int, ranks: list[int], group, role: int, 
     for r in plan.source.ranks:
         if roles.get(r) != SENDER:
             raise PlanMismatchError(f"rank {rank}: rank {r} holds trainer shards but did not join as a sender.")
-    for r in plan.mapping.ranks:
+    for r in plan.param_map.ranks:
         if roles.get(r) != RECEIVER:
-            raise PlanMismatchError(f"rank {rank}: rank {r} has targets but did not join as a receiver.")
+            raise PlanMismatchError(f"rank {rank}: rank {r} has params but did not join as a receiver.")
     return versions.pop()
+
+
+def _ranks_like(prints: dict[bytes, list[int]], r: int) -> list[int]:
+    """The ranks whose fingerprint equals rank ``r``'s."""
+    return next(rs for rs in prints.values() if r in rs)
+
+
+def _exchange_keys(plan: BridgePlan, rank: int, ranks: list[int], group, timeout: float) -> dict[int, dict]:
+    """Every rank's ``plan_key``; every rank calls it, since all see the same mismatch in the handshake."""
+    mine = torch.frombuffer(bytearray(encode(plan_key(plan))), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in ranks]
+    _wait(dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64), group=group, async_op=True),
+          timeout, "the plan comparison", rank)
+    longest = max(int(n.item()) for n in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[:mine.numel()] = mine
+    out = [torch.empty(longest, dtype=torch.uint8) for _ in ranks]
+    _wait(dist.all_gather(out, padded, group=group, async_op=True), timeout, "the plan comparison", rank)
+    return {r: decode(t[:int(n.item())].numpy().tobytes()) for r, t, n in zip(ranks, out, sizes, strict=True)}
 
 
 def _ack(ok: bool, rank: int, group, timeout: float) -> bool:
@@ -191,7 +236,7 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
     ranks = _group_ranks(group)
     if rank not in ranks:
         raise SyncError(f"rank {rank} is not in the process group (ranks {ranks}).")
-    needed = set(plan.source.ranks) | set(plan.mapping.ranks)
+    needed = set(plan.source.ranks) | set(plan.param_map.ranks)
     if set(ranks) != needed:
         raise ValueError(
             f"the process group has ranks {ranks} but the plan involves ranks {sorted(needed)}; pass a "
@@ -213,18 +258,18 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
             off += m.nbytes
         return out
 
-    def prepare(b: int):
+    def prepare(b: int) -> _Bucket:
         sends, recvs = plan.sends(rank, b), plan.recvs(rank, b)
-        ops = []
+        ops: list[_Op] = []
         for m, buf in zip(sends, buffers(0, b, sends), strict=True):
-            ops += [(dist.isend, m.dst, x) for x in pack(m, buf)]
+            ops += [_Op(dist.isend, m.dst, x) for x in pack(m, buf)]
         rbufs = buffers(1, b, recvs)
         for m, buf in zip(recvs, rbufs, strict=True):
-            ops += [(dist.irecv, m.src, x) for x in recv(m, buf)]
-        return ops, recvs, rbufs
+            ops += [_Op(dist.irecv, m.src, x) for x in recv(m, buf)]
+        return _Bucket(ops, recvs, rbufs)
 
-    def post(state, b: int):
-        ops = [dist.P2POp(op, buf, peer, group) for op, peer, buf in state[0]]
+    def post(state: _Bucket, b: int) -> list:
+        ops = [dist.P2POp(op.fn, op.buf, op.peer, group) for op in state.ops]
         try:
             return dist.batch_isend_irecv(ops) if ops else []
         except RuntimeError as e:  # gloo fails at once when a peer's connection is already closed
@@ -234,28 +279,28 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
     ok = False
     try:
         nb = plan.num_buckets
-        state = prepare(0) if nb else None
-        works = post(state, 0) if nb else []
+        nxt = prepare(0) if nb else None
+        works = post(nxt, 0) if nxt is not None else []
         for b in range(nb):
-            nxt = prepare(b + 1) if b + 1 < nb else None
-            for w, (_, peer, _) in zip(works, state[0], strict=True):
-                _wait(w, timeout, f"bucket {b + 1}/{nb} with peer rank {peer}", rank)
+            # The next bucket is packed and posted while this one's data is unpacked.
+            state, nxt = nxt, (prepare(b + 1) if b + 1 < nb else None)
+            if state is None:
+                break
+            for w, op in zip(works, state.ops, strict=True):
+                _wait(w, timeout, f"bucket {b + 1}/{nb} with peer rank {op.peer}", rank)
             works = post(nxt, b + 1) if nxt is not None else []
-            for m, buf in zip(state[1], state[2], strict=True):
+            for m, buf in zip(state.recvs, state.rbufs, strict=True):
                 unpack(m, buf)
             if bar is not None:
-                bar.update(sum(x.numel() * x.element_size() for _, _, x in state[0]))
-            state = nxt
+                bar.update(sum(op.buf.numel() * op.buf.element_size() for op in state.ops))
         ok = True
     finally:
         if bar is not None:
             bar.close()
         if not ok:
             # Tell the others quickly (best effort: the group may already be broken).
-            try:
+            with contextlib.suppress(SyncError):
                 _ack(False, rank, group, min(timeout, 5.0))
-            except SyncError:
-                pass
     if not _ack(True, rank, group, timeout):
         raise SyncError(f"rank {rank}: another rank failed during the sync; nothing was committed.")
     elapsed = time.perf_counter() - start

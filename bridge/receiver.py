@@ -4,7 +4,7 @@ Example (every inference process; the trainers run ``bridge.sender.Sender``):
 
     group = bridge.init_group(rank, world_size, port=port)
     source = bridge.Source.build(param_shapes(cfg), bridge.trainer_mesh((4,), "fsdp", [0, 1], 2), fsdp_spec)
-    plan = bridge.BridgePlan(source, bridge.llama_mapping(cfg, source, tp_ranks=[2, 3], fused=True))
+    plan = bridge.BridgePlan(source, bridge.llama_param_map(cfg, source, tp_ranks=[2, 3], fused=True))
     receiver = bridge.Receiver(plan, local_params, rank=rank)
     version = receiver.sync()            # blocks until every bucket arrived, then commits
 """
@@ -13,18 +13,19 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Mapping as MappingABC
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from bridge._mapping import Mapping, dtensor_targets
+from bridge._param_map import Param, ParamMap
 from bridge._plan import BridgePlan, Message
+from bridge._rules import dtensor_params
 from bridge._source import Source
 from bridge._wire import RECEIVER, SyncError, check_plan_and_rank, new_arena, run_sync, torch_dtype
 
-__all__ = ["Receiver", "dtensor_mapping"]
+__all__ = ["Receiver", "dtensor_param_map", "dtensor_mapping"]
 
 log = logging.getLogger("bridge")
 
@@ -43,21 +44,51 @@ def _local(t: Any) -> torch.Tensor:
     return _owner(t).data
 
 
-def dtensor_mapping(source: Source, params: MappingABC[str, tuple[Any, str, Any]]) -> Mapping:
-    """Targets for DTensor parameters: ``{name: (dtensor, leaf path, transpose)}``.
+def dtensor_param_map(source: Source, params: Mapping[str, tuple[Any, str, Any]]) -> ParamMap:
+    """The param map of DTensor parameters: ``{name: (dtensor, leaf path, transpose)}``.
 
     Each DTensor's ``device_mesh`` and ``placements`` give every rank's shard (torch
     chunk rules), so this rank can plan the whole sync. Trainer processes, which hold
-    no DTensors, build the same mapping with ``bridge.dtensor_targets``.
+    no DTensors, build the same param map with ``bridge.dtensor_params``.
     """
-    out = Mapping(())
+    out = ParamMap(())
     for name, (dt, leaf, transpose) in params.items():
         if not hasattr(dt, "device_mesh"):
             raise TypeError(f"params[{name!r}] must hold a DTensor first, got {type(dt).__name__}.")
         dtype = str(dt.dtype).removeprefix("torch.")
-        out = out + dtensor_targets(name, source, leaf, dt.device_mesh.mesh, dt.placements,
-                                    transpose=transpose, dtype=dtype)
+        out = out + dtensor_params(name, source, leaf, dt.device_mesh.mesh, dt.placements,
+                                   transpose=transpose, dtype=dtype)
     return out
+
+
+dtensor_mapping = dtensor_param_map  # the old name
+
+
+class _Recv(NamedTuple):
+    """One receive of a message: straight into ``param[box]``, or into bytes ``[start, stop)`` of the buffer."""
+
+    param: str | None
+    box: tuple[slice, ...] | None
+    start: int
+    stop: int
+
+
+class _Unpack(NamedTuple):
+    """Copy bytes ``[offset, offset + nbytes)`` of the buffer, as ``shape`` of ``dtype``, into ``param[box]``."""
+
+    param: str
+    box: tuple[slice, ...]
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class _Steps(NamedTuple):
+    """How this rank receives one message: one receive per segment, then the unpacking copies."""
+
+    recvs: list[_Recv]
+    unpacks: list[_Unpack]
 
 
 class Receiver:
@@ -65,10 +96,10 @@ class Receiver:
 
     Args:
       plan: the sync plan (the same on every rank).
-      params: this rank's parameters by torch name (tensors, Parameters or DTensors); every
-        target of this rank must be present with its local shape and dtype.
+      params: this rank's parameters by name (tensors, Parameters or DTensors); every
+        param of this rank in the plan must be present with its local shape and dtype.
       rank: this process's global torch rank (default: ``torch.distributed.get_rank()``).
-      atomic: receive into a shadow copy of the targets and commit only when every rank got
+      atomic: receive into a shadow copy of the params and commit only when every rank got
         everything; ``False`` writes in place as buckets arrive (no extra memory, but a failed
         sync leaves a mix of old and new weights and ``consistent`` becomes False until the
         next successful sync).
@@ -86,32 +117,32 @@ class Receiver:
       version: the training step of the weights now in ``params`` (``None`` before the first sync).
     """
 
-    def __init__(self, plan: BridgePlan, params: MappingABC[str, Any], *, rank: int | None = None,
+    def __init__(self, plan: BridgePlan, params: Mapping[str, Any], *, rank: int | None = None,
                  atomic: bool = True, swap: bool = False, timeout: float = 60.0, ready_timeout: float = 600.0,
                  progress: bool | None = None) -> None:
         rank = check_plan_and_rank(plan, rank)
-        targets = plan.mapping.for_rank(rank)
-        if not targets:
-            raise ValueError(f"rank {rank} has no targets in the plan (its ranks are {plan.mapping.ranks}).")
+        mine = plan.param_map.for_rank(rank)
+        if not mine:
+            raise ValueError(f"rank {rank} has no params in the plan (its ranks are {plan.param_map.ranks}).")
         tensors, owners = {}, {}
-        for t in targets:
-            if t.name not in params:
+        for p in mine:
+            if p.name not in params:
                 raise ValueError(
-                    f"params lacks {t.name!r}, which the mapping assigns to rank {rank}; pass every "
-                    f"parameter of this rank (it expects {len(targets)}, e.g. {[x.name for x in targets[:3]]})."
+                    f"params lacks {p.name!r}, which the param map assigns to rank {rank}; pass every "
+                    f"param of this rank (it expects {len(mine)}, e.g. {[x.name for x in mine[:3]]})."
                 )
-            local = _local(params[t.name])
-            want = torch_dtype(t.dtype)
-            if tuple(local.shape) != t.shape or local.dtype != want:
+            local = _local(params[p.name])
+            want = torch_dtype(p.dtype)
+            if tuple(local.shape) != p.shape or local.dtype != want:
                 raise ValueError(
-                    f"params[{t.name!r}] on rank {rank} is {tuple(local.shape)} {local.dtype}, but the mapping "
-                    f"expects its local shard {t.shape} {want}; build the mapping with this rank's TP degree, "
+                    f"params[{p.name!r}] on rank {rank} is {tuple(local.shape)} {local.dtype}, but the param map "
+                    f"expects its local shard {p.shape} {want}; build the param map with this rank's TP degree, "
                     "padding and dtype."
                 )
             if not local.is_contiguous():
-                raise ValueError(f"params[{t.name!r}] must be contiguous.")
-            tensors[t.name] = local
-            owners[t.name] = _owner(params[t.name])
+                raise ValueError(f"params[{p.name!r}] must be contiguous.")
+            tensors[p.name] = local
+            owners[p.name] = _owner(params[p.name])
         self.plan, self.rank, self.atomic, self.progress = plan, rank, atomic, progress
         self.timeout, self.ready_timeout = timeout, ready_timeout
         self.params = tensors
@@ -121,41 +152,40 @@ class Receiver:
         self.consistent = True
         self._shadow: dict[str, torch.Tensor] | None = None
         self._arena = new_arena()
-        # Parts of targets that no region writes (padded rows): the shadow takes them from the
+        # Parts of params that no region writes (padded rows): the shadow takes them from the
         # parameters before each sync.
-        self._uncovered = {t.name: boxes for t in targets if (boxes := _uncovered(t))}
-        self._plan_for = self._compile()
+        self._uncovered = {p.name: boxes for p in mine if (boxes := _uncovered(p))}
+        self._steps = self._compile()
 
-    def _compile(self) -> dict[tuple[int, int], tuple[list[tuple], list[tuple]]]:
-        """Per message: (one receive per segment, the pieces to unpack from the bucket buffer)."""
-        out: dict[tuple[int, int], tuple[list[tuple], list[tuple]]] = {}
+    def _compile(self) -> dict[tuple[int, int], _Steps]:
+        """Per (bucket, sender rank): the receives and unpacking copies of its message."""
+        out: dict[tuple[int, int], _Steps] = {}
         for m in self.plan.messages:
             if m.dst != self.rank:
                 continue
-            steps = []
-            for i, off in m.items:
-                t = self.plan.transfers[i]
+            unpacks = []
+            for i, off in m.pieces:
+                t = self.plan.moves[i]
                 box, _ = self.plan.dst_region(t)  # pieces arrive in torch dim order
-                dtype = torch_dtype(self.plan.target(t.target, t.dst).dtype)
-                steps.append((t.target, box, off, t.nbytes, tuple(s.stop - s.start for s in box), dtype))
-            recvs, unpacks, direct = [], [], set()
-            for start, stop, k, _, dst_direct in self.plan.segments(m):
-                if dst_direct:  # straight into the target: no unpacking
-                    direct.add(k)
-                    recvs.append((steps[k][0], steps[k][1], 0, 0))
+                dtype = torch_dtype(self.plan.param(t.param, t.dst).dtype)
+                unpacks.append(_Unpack(t.param, box, off, t.nbytes, tuple(s.stop - s.start for s in box), dtype))
+            recvs, direct = [], set()
+            for seg in self.plan.segments(m):
+                if seg.dst_direct and seg.piece is not None:  # straight into the param: no unpacking
+                    direct.add(seg.piece)
+                    recvs.append(_Recv(unpacks[seg.piece].param, unpacks[seg.piece].box, 0, 0))
                 else:
-                    recvs.append((None, None, start, stop))
-            unpacks = [s for k, s in enumerate(steps) if k not in direct]
-            out[(m.bucket, m.src)] = (recvs, unpacks)
+                    recvs.append(_Recv(None, None, seg.start, seg.stop))
+            out[(m.bucket, m.src)] = _Steps(recvs, [u for k, u in enumerate(unpacks) if k not in direct])
         return out
 
     def _recv(self, into: dict[str, torch.Tensor], m: Message, buf: torch.Tensor) -> list[torch.Tensor]:
-        return [buf[start:stop] if name is None else into[name][box].view(-1).view(torch.uint8)
-                for name, box, start, stop in self._plan_for[(m.bucket, m.src)][0]]
+        return [buf[r.start:r.stop] if r.param is None else into[r.param][r.box].view(-1).view(torch.uint8)
+                for r in self._steps[(m.bucket, m.src)].recvs]
 
     def _unpack(self, into: dict[str, torch.Tensor], m: Message, buf: torch.Tensor) -> None:
-        for name, box, off, n, shape, dtype in self._plan_for[(m.bucket, m.src)][1]:
-            into[name][box].copy_(buf[off:off + n].view(dtype).view(shape))
+        for u in self._steps[(m.bucket, m.src)].unpacks:
+            into[u.param][u.box].copy_(buf[u.offset:u.offset + u.nbytes].view(u.dtype).view(u.shape))
 
     def sync(self, group: dist.ProcessGroup | None = None) -> int:
         """Receives one sync; returns its version (the trainers' step).
@@ -168,10 +198,11 @@ class Receiver:
         if self.atomic:
             if self._shadow is None:
                 self._shadow = {k: torch.empty_like(v) for k, v in self.params.items()}
+            shadow = self._shadow
             for name, boxes in self._uncovered.items():
                 for box in boxes:
-                    self._shadow[name][box].copy_(self.params[name][box])
-            into = self._shadow
+                    shadow[name][box].copy_(self.params[name][box])
+            into = shadow
         else:
             into = self.params
             self.consistent = False
@@ -186,10 +217,10 @@ class Receiver:
                     if self.swap:
                         # The same tensor objects now hold the staging storage; the old storage
                         # becomes the next sync's staging (no copy).
-                        self._owners[name].data = self._shadow[name]
-                        self.params[name], self._shadow[name] = self._shadow[name], dst
+                        self._owners[name].data = shadow[name]
+                        self.params[name], shadow[name] = shadow[name], dst
                     else:
-                        dst.copy_(self._shadow[name])
+                        dst.copy_(shadow[name])
         self.consistent = True
         self.version = version
         return version
@@ -200,14 +231,14 @@ class Receiver:
         self._arena = new_arena()
 
 
-def _uncovered(target) -> list[tuple[slice, ...]]:
-    """The boxes of ``target`` that none of its regions covers: cells of the grid cut by the regions."""
-    cuts = [sorted({0, n, *(r.offset[d] for r in target.regions), *(r.offset[d] + r.shape[d] for r in target.regions)})
-            for d, n in enumerate(target.shape)]
+def _uncovered(param: Param) -> list[tuple[slice, ...]]:
+    """The boxes of ``param`` that none of its regions covers: cells of the grid cut by the regions."""
+    cuts = [sorted({0, n, *(r.offset[d] for r in param.regions), *(r.offset[d] + r.shape[d] for r in param.regions)})
+            for d, n in enumerate(param.shape)]
     out = []
-    for cell in itertools.product(*[list(zip(c[:-1], c[1:])) for c in cuts]):
+    for cell in itertools.product(*[list(zip(c[:-1], c[1:], strict=True)) for c in cuts]):
         if not any(all(o <= lo and hi <= o + n for (lo, hi), o, n in zip(cell, r.offset, r.shape, strict=True))
-                   for r in target.regions):
+                   for r in param.regions):
             out.append(tuple(slice(lo, hi) for lo, hi in cell))
     return out
 

@@ -9,26 +9,27 @@ Example (every trainer process):
 
     group = bridge.init_group(rank, world_size, port=port)
     source = describe(params, trainer_ranks=[0, 1])      # or Source.build(...) from the config
-    plan = bridge.BridgePlan(source, bridge.llama_mapping(cfg, source, tp_ranks=[2, 3], fused=True))
+    plan = bridge.BridgePlan(source, bridge.llama_param_map(cfg, source, tp_ranks=[2, 3], fused=True))
     sender = Sender(plan, rank=rank)
     sender.sync(params, version=step)
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from jreshard import Layout, Mesh
-
 from bridge._plan import BridgePlan, Message
 from bridge._source import Source, source_id
 from bridge._wire import SENDER, SyncError, check_plan_and_rank, new_arena, reject_sync, run_sync, torch_dtype
+from jreshard.core.layout import Layout
+from jreshard.core.mesh import Mesh
 
 __all__ = ["Sender", "describe", "flatten_params"]
 
@@ -36,16 +37,52 @@ log = logging.getLogger("bridge")
 
 
 def flatten_params(params: Any) -> dict[str, Any]:
-    """``{'/'-joined key path: leaf}`` of a jax pytree (dict keys, sequence indices, attributes)."""
+    """``{path: leaf}`` of a jax pytree, each path as ``keystr(path, simple=True, separator='/')`` prints it."""
     import jax
 
-    out = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        keys = []
-        for k in path:
-            keys.append(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))))
-        out["/".join(keys)] = leaf
-    return out
+    keystr = jax.tree_util.keystr
+    return {keystr(path, simple=True, separator="/"): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
+class _ShardKey(NamedTuple):
+    """A shard as the sender packs it: a leaf's shard on a source id, permuted, cast by XLA to ``dtype``.
+
+    ``dtype`` is ``None`` where the shard is read as it is (a zero-copy DLPack view, cast while packing).
+    """
+
+    leaf: str
+    src: int
+    perm: tuple[int, ...]
+    dtype: str | None
+
+
+class _PackPiece(NamedTuple):
+    """Copy ``shard[region]`` (a ``_ShardKey``) to bytes ``[offset, offset + nbytes)`` as ``dtype``."""
+
+    shard: _ShardKey
+    region: tuple[slice, ...]
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+
+
+class _PackSegment(NamedTuple):
+    """One send: bytes ``[start, stop)`` of the buffer, or straight from the shard when ``direct``."""
+
+    start: int
+    stop: int
+    direct: bool
+    pieces: list[_PackPiece]
+
+
+@functools.cache
+def _cast_transpose(perm: tuple[int, ...], dtype: str) -> Callable[[Any], Any]:
+    """One jitted cast-then-transpose per (permutation, dtype), shared by every Sender."""
+    import jax
+    import jax.numpy as jnp
+
+    return jax.jit(lambda a: jnp.transpose(a.astype(dtype), perm))
 
 
 def _source_ids(trainer_ranks: Sequence[int]) -> dict[int, int]:
@@ -79,7 +116,7 @@ def describe(params: Any, trainer_ranks: Sequence[int]) -> Source:
     for path, x in flatten_params(params).items():
         sharding = getattr(x, "sharding", None)
         mesh = getattr(sharding, "mesh", None)
-        if mesh is None or not hasattr(sharding, "spec"):
+        if sharding is None or mesh is None or not hasattr(sharding, "spec"):
             raise TypeError(f"params leaf {path!r} must be a jax.Array with a NamedSharding, got {type(x).__name__}.")
         mesh_ids = Mesh(np.vectorize(lambda d: ids[d.id], otypes=[np.int64])(mesh.devices), tuple(mesh.axis_names))
         leaves[path] = Layout(tuple(x.shape), mesh_ids, tuple(sharding.spec), x.dtype.name)
@@ -109,37 +146,36 @@ class Sender:
         # transposed is sent from there without packing: XLA casts and transposes the shard once
         # (much faster than a strided copy on the CPU). Other pieces are block copies (+ cast) into
         # the bucket buffer.
-        steps: dict[tuple[int, int], list[tuple]] = {}
-        last_use: dict[tuple, tuple[int, int]] = {}
+        steps: dict[tuple[int, int], list[_PackSegment]] = {}
+        last_use: dict[_ShardKey, tuple[int, int]] = {}
         for m in plan.messages:
             if m.src != rank:
                 continue
             out = []
-            for (start, stop, k, src_direct, _), item in zip(plan.segments(m), _segment_items(m, plan), strict=True):
+            for seg, members in zip(plan.segments(m), plan.segment_pieces(m), strict=True):
                 pieces = []
-                for i, off in item:
-                    t = plan.transfers[i]
+                for i, off in members:
+                    t = plan.moves[i]
                     _, perm = plan.dst_region(t)
                     region = plan.src_region(t)
-                    dtype = plan.target(t.target, t.dst).dtype
+                    dtype = plan.param(t.param, t.dst).dtype
                     identity = perm == tuple(range(len(perm)))
-                    xla = not identity or (src_direct and dtype != plan.source.layout(t.source).dtype)
-                    key = (t.source, t.src, perm, dtype if xla else None)
-                    pieces.append((key, tuple(region[p] for p in perm), off, t.nbytes, torch_dtype(dtype)))
+                    xla = not identity or (seg.src_direct and dtype != plan.source.layout(t.leaf).dtype)
+                    key = _ShardKey(t.leaf, t.src, perm, dtype if xla else None)
+                    pieces.append(_PackPiece(key, tuple(region[p] for p in perm), off, t.nbytes, torch_dtype(dtype)))
                     last_use[key] = (m.bucket, m.dst)
-                out.append((start, stop, src_direct, pieces))
+                out.append(_PackSegment(seg.start, seg.stop, seg.src_direct, pieces))
             steps[(m.bucket, m.dst)] = out
         self._pack_plan = steps
-        self._xla_keys: dict[int, list[tuple]] = {}  # per bucket, the shards XLA casts or transposes
-        for (b, _), segs in steps.items():
-            for *_, pieces in segs:
-                for key, *_ in pieces:
-                    if key[3] is not None and key not in self._xla_keys.setdefault(b, []):
-                        self._xla_keys[b].append(key)
-        self._release: dict[tuple[int, int], list[tuple]] = {}
+        self._xla_keys: dict[int, list[_ShardKey]] = {}  # per bucket, the shards XLA casts or transposes
+        for (b, _), packed in steps.items():
+            for pseg in packed:
+                for piece in pseg.pieces:
+                    if piece.shard.dtype is not None and piece.shard not in self._xla_keys.setdefault(b, []):
+                        self._xla_keys[b].append(piece.shard)
+        self._release: dict[tuple[int, int], list[_ShardKey]] = {}
         for key, where in last_use.items():
             self._release.setdefault(where, []).append(key)
-        self._transposes: dict[tuple, Any] = {}
         self._arena = new_arena()  # bucket buffers, reused across syncs
 
     def _shards(self, params: Any) -> dict[tuple[str, int], Any]:
@@ -175,23 +211,19 @@ class Sender:
         return out
 
     def _dispatch(self, shards: dict, cache: dict, bucket: int) -> None:
-        """Starts XLA's cast/transpose of the shards ``bucket`` reads (asynchronous: XLA computes them
-        while this thread posts and waits for the previous bucket's sends)."""
+        """Starts XLA's cast/transpose of the shards ``bucket`` reads.
+
+        Asynchronous: XLA computes them while this thread posts and waits for the previous
+        bucket's sends.
+        """
         for key in self._xla_keys.get(bucket, ()):
             if key not in cache:
-                path, dev, perm, dtype = key
-                fn = self._transposes.get((perm, dtype))
-                if fn is None:
-                    import jax.numpy as jnp
+                cache[key] = _cast_transpose(key.perm, key.dtype)(shards[(key.leaf, key.src)])
 
-                    fn = jax_jit(lambda a, perm=perm, dtype=dtype: jnp.transpose(a.astype(dtype), perm))
-                    self._transposes[(perm, dtype)] = fn
-                cache[key] = fn(shards[(path, dev)])
-
-    def _view(self, shards: dict, cache: dict, key: tuple) -> torch.Tensor:
+    def _view(self, shards: dict, cache: dict, key: _ShardKey) -> torch.Tensor:
         hit = cache.get(key)
         if hit is None:  # no transpose: a zero-copy view, cast by copy_ while packing
-            hit = cache[key] = torch.from_dlpack(shards[key[:2]])
+            hit = cache[key] = torch.from_dlpack(shards[(key.leaf, key.src)])
         elif not isinstance(hit, torch.Tensor):  # XLA's result (cast then transposed in one pass)
             hit = cache[key] = torch.from_dlpack(hit)
         return hit
@@ -200,15 +232,15 @@ class Sender:
         self._dispatch(shards, cache, m.bucket)
         self._dispatch(shards, cache, m.bucket + 1)  # computed while this bucket is on the wire
         sends = []
-        for start, stop, direct, pieces in self._pack_plan[(m.bucket, m.dst)]:
-            for key, region, off, n, dtype in pieces:
-                src = self._view(shards, cache, key)[region]
-                if direct:  # already cast and contiguous: sent as it is (the list keeps it alive)
+        for seg in self._pack_plan[(m.bucket, m.dst)]:
+            for piece in seg.pieces:
+                src = self._view(shards, cache, piece.shard)[piece.region]
+                if seg.direct:  # already cast and contiguous: sent as it is (the list keeps it alive)
                     sends.append((src if src.is_contiguous() else src.contiguous()).view(-1).view(torch.uint8))
-                else:  # copy_ casts while packing, so only the target dtype's bytes cross the wire
-                    buf[off:off + n].view(dtype).view(src.shape).copy_(src)
-            if not direct:
-                sends.append(buf[start:stop])
+                else:  # copy_ casts while packing, so only the param dtype's bytes cross the wire
+                    buf[piece.offset:piece.offset + piece.nbytes].view(piece.dtype).view(src.shape).copy_(src)
+            if not seg.direct:
+                sends.append(buf[seg.start:seg.stop])
         for key in self._release.get((m.bucket, m.dst), ()):
             cache.pop(key, None)  # a transposed shard lives only until its last piece is sent
         return sends
@@ -243,20 +275,6 @@ def _torch_device(shards: dict) -> torch.device:
     for x in shards.values():
         return torch.from_dlpack(x).device
     return torch.device("cpu")
-
-
-def _segment_items(m: Message, plan: BridgePlan) -> list[list[tuple[int, int]]]:
-    """The message's (transfer index, offset) items grouped by segment (``plan.segments(m)``)."""
-    out = []
-    for start, stop, k, _, _ in plan.segments(m):
-        out.append([m.items[k]] if k >= 0 else [(i, off) for i, off in m.items if start <= off < stop])
-    return out
-
-
-def jax_jit(fn):
-    import jax
-
-    return jax.jit(fn)
 
 
 def _no_unpack(m: Message, buf: torch.Tensor) -> Any:

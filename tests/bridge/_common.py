@@ -1,16 +1,56 @@
-"""Shared by the bridge tests and their worker processes: configs, data and references."""
+"""Shared by the bridge tests and their worker processes: configs, data, references, process helpers.
+
+Importable without jax and torch (the worker processes import it before choosing a side).
+"""
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+from collections.abc import Iterable
+
 import numpy as np
 
-from jreshard.nn import LlamaConfig, param_shapes
+from jreshard.nn import LlamaConfig, fsdp_spec, param_shapes
 
 TRAINERS = (0, 1)  # torch ranks of the JAX processes (2 simulated devices each, FSDP over 4)
 RECEIVERS = (2, 3)  # torch ranks of the inference processes (TP2)
 WORLD = 4
 VOCAB = 1000  # padded to 1024 by vocab_pad=64: TP rank 1 holds 488 real rows and 24 padding rows
 E2E_VOCAB_PAD = 384  # llama-tiny's 1024 rows padded to 1152: TP rank 1 holds 448 real rows + 128 padding
+
+
+# Generous bounds for "failed at once" checks: far below the waits they rule out (ready_timeout,
+# minutes), far above what a loaded machine needs to notice a failure.
+SLACK = 10.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_env(**extra: str) -> dict[str, str]:
+    """The environment of a worker process: one thread, unbuffered output, plus ``extra``."""
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+
+
+def kill_all(procs: Iterable[subprocess.Popen]) -> None:
+    """SIGKILLs the process group of every worker still running (each started with start_new_session)."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+
+
+def source_for(config: LlamaConfig, mesh_shape=(4,), axes=("fsdp",), ranks=TRAINERS, per: int = 2, spec=fsdp_spec):
+    """The trainer Source of ``config``'s flax leaves (default: FSDP over 2 processes x 2 devices)."""
+    import bridge
+
+    return bridge.Source.build(param_shapes(config), bridge.trainer_mesh(mesh_shape, axes, ranks, per), spec)
 
 
 def small_config() -> LlamaConfig:

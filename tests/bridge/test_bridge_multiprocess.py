@@ -7,9 +7,7 @@ tests below check what each rank recorded against NumPy references.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,39 +26,21 @@ WORKER = HERE / "worker.py"
 LIMIT = 420  # seconds for the whole launch, restart included
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env(rank: int) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1", XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    return env
-
-
 def _launch(rank: int, out: Path, ports: dict, restart: bool = False) -> subprocess.Popen:
     cmd = [sys.executable, str(WORKER), "--rank", str(rank), "--port", str(ports["torch"]),
            "--port2", str(ports["torch2"]), "--jax-port", str(ports["jax2" if restart else "jax"]), "--out", str(out)]
     if restart:
         cmd.append("--restart")
     with open(out / f"rank{rank}{'_restart' if restart else ''}.log", "w") as log:
-        return subprocess.Popen(cmd, env=_env(rank), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _kill(procs) -> None:
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(10)
+        env = C.worker_env(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
+                           TOKENIZERS_PARALLELISM="false")
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bridge")
-    ports = {k: free_port() for k in ("torch", "torch2", "jax", "jax2")}
+    ports = {k: C.free_port() for k in ("torch", "torch2", "jax", "jax2")}
     procs = {r: _launch(r, out, ports) for r in range(C.WORLD)}
     restarted = []
     deadline = time.monotonic() + LIMIT
@@ -73,7 +53,7 @@ def run(tmp_path_factory):
     except subprocess.TimeoutExpired:
         pass
     finally:
-        _kill(list(procs.values()) + restarted)
+        C.kill_all(list(procs.values()) + restarted)
     events = {}
     for r in range(C.WORLD):
         f = out / f"rank{r}.json"
@@ -124,32 +104,36 @@ def test_fused_tp2_bfloat16_equals_cast_reference(run):
         _check_equal(_received(run, r, "fused_bf16"), cast, r)
 
 
-def test_dtensor_targets(run):
+def test_dtensor_params(run):
     a = C.make_arrays(C.small_config(), 1)
     q, down = a["layers_0/attn/q_proj/kernel"].T, a["layers_1/mlp/down_proj/kernel"].T
     for i, r in enumerate(C.RECEIVERS):
-        assert run["events"][r]["dtensor_mapping_matches"] is True
+        assert run["events"][r]["dtensor_param_map_matches"] is True
         want = {"q.weight": np.split(q, 2, 0)[i], "down.weight": np.array_split(down, 2, 1)[i],
                 "embed.weight": a["embed/embedding"], "norm.weight": np.split(a["final_norm/scale"], 2)[i]}
         _check_equal(_received(run, r, "dtensor"), want, r)
 
 
-def test_plan_mismatch_is_an_error_on_every_rank(run):
+def test_plan_mismatch_is_an_error_on_every_rank_that_says_what_differs(run):
     for r in range(C.WORLD):
         ev = run["events"][r]["mismatch"]
         assert ev["ok"] is False and ev["error"] == "PlanMismatchError", (r, ev)
         assert "different sync plans" in ev["message"]
+        # The receivers padded the vocabulary to 1056 rows, the trainers to 1024.
+        assert ("ranks [2, 3] against ranks [0, 1]: " in ev["message"]
+                and "differ in shape, e.g. 'lm_head.weight on rank 2': [528, 256] vs [512, 256]" in ev["message"]), ev
 
 
 def test_a_rank_that_rejects_fails_every_other_rank_at_once(run):
     rejecting = C.RECEIVERS[1]
     ev = run["events"][rejecting]["rejected"]
-    assert ev["ok"] is False and ev["error"] == "ValueError" and "mapping expects" in ev["message"], ev
+    assert ev["ok"] is False and ev["error"] == "ValueError" and "param map expects" in ev["message"], ev
     for r in (*C.TRAINERS, C.RECEIVERS[0]):
         ev = run["events"][r]["rejected"]
         assert ev["ok"] is False and ev["error"] == "SyncError", (r, ev)
         assert f"ranks [{rejecting}] rejected the sync" in ev["message"], (r, ev)
-        assert ev["seconds"] < 10.0, (r, ev)  # the handshake fails at once, not after ready_timeout
+        # The handshake fails at once, not after ready_timeout (300 s in the worker).
+        assert ev["seconds"] < C.SLACK * 3, (r, ev)
     assert run["events"][C.RECEIVERS[0]]["rejected"]["unchanged"] is True
 
 
@@ -188,7 +172,7 @@ def test_killed_rank_fails_everyone_cleanly_and_restart_succeeds(run):
     for r in (C.TRAINERS[0], *C.RECEIVERS):
         ev = run["events"][r]["kill"]
         assert ev["ok"] is False and ev["error"] == "SyncError", (r, ev)
-        assert ev["seconds"] < KILL_TIMEOUT + 6.0, (r, ev)
+        assert ev["seconds"] < KILL_TIMEOUT + C.SLACK, (r, ev)
     want_old = C.vllm_shards(C.make_arrays(C.small_config(), 1), C.small_config(), 2, fused=True, vocab_pad=64)
     want_new = C.vllm_shards(C.make_arrays(C.small_config(), 3), C.small_config(), 2, fused=True, vocab_pad=64)
     for i, r in enumerate(C.RECEIVERS):

@@ -1,4 +1,4 @@
-"""The pure layer of the bridge: mappings, plan reduction, buckets, fingerprints (no processes)."""
+"""The pure layer of the bridge: param maps, plan reduction, buckets, fingerprints (no processes)."""
 
 from __future__ import annotations
 
@@ -12,29 +12,26 @@ import pytest
 import bridge
 from bridge._plan import ALIGN
 from jreshard import Layout, Mesh
-from jreshard.nn import LlamaConfig, fsdp_spec, param_shapes
+from jreshard.nn import LlamaConfig, fsdp_spec
 from tests.bridge import _common as C
+from tests.bridge._common import source_for as _source
 from tests.test_package import BLOCKER
 
 
-def _source(config, mesh_shape=(4,), axes=("fsdp",), ranks=(0, 1), per=2, spec=fsdp_spec):
-    return bridge.Source.build(param_shapes(config), bridge.trainer_mesh(mesh_shape, axes, ranks, per), spec)
-
-
 def _coverage_ok(p: bridge.BridgePlan) -> None:
-    """Every target element is written at most once, every region fully, and only from a shard that holds it."""
-    counts = {(t.rank, t.name): np.zeros(t.shape, np.int32) for t in p.mapping.targets}
-    for t in p.transfers:
+    """Every param element is written at most once, every region fully, and only from a shard that holds it."""
+    counts = {(q.rank, q.name): np.zeros(q.shape, np.int32) for q in p.param_map.params}
+    for t in p.moves:
         src = p.src_region(t)
-        shard = p.source.layout(t.source).shard_shape(t.src)
+        shard = p.source.layout(t.leaf).shard_shape(t.src)
         assert all(0 <= s.start <= s.stop <= n for s, n in zip(src, shard, strict=True)), (t, shard)
         box, _ = p.dst_region(t)
-        counts[(t.dst, t.target)][box] += 1
-    for t in p.mapping.targets:
-        c = counts[(t.rank, t.name)]
-        assert c.max(initial=0) <= 1, t.name
-        assert c.sum() == sum(int(np.prod(r.shape)) for r in t.regions), t.name
-        for r in t.regions:
+        counts[(t.dst, t.param)][box] += 1
+    for q in p.param_map.params:
+        c = counts[(q.rank, q.name)]
+        assert c.max(initial=0) <= 1, q.name
+        assert c.sum() == sum(int(np.prod(r.shape)) for r in q.regions), q.name
+        for r in q.regions:
             assert (c[tuple(slice(o, o + n) for o, n in zip(r.offset, r.shape, strict=True))] == 1).all()
 
 
@@ -66,7 +63,7 @@ def test_plan_matches_vllm_slicing(case, dtype):
         assert [down.shard_shape(d)[0] for d in down.mesh.device_ids] == [230, 230, 230]
         embed = src.layout("embed/embedding")
         assert [embed.shard_shape(d)[0] for d in embed.mesh.device_ids] == [334, 334, 332]
-    m = bridge.llama_mapping(cfg, src, tp_groups, fused=fused, vocab_pad=pad, dtype=dtype)
+    m = bridge.llama_param_map(cfg, src, tp_groups, fused=fused, vocab_pad=pad, dtype=dtype)
     p = bridge.BridgePlan(src, m, bucket_bytes=256 << 10)
     _coverage_ok(p)
     arrays = C.make_arrays(cfg, seed=5)
@@ -83,7 +80,7 @@ def test_plan_matches_vllm_slicing(case, dtype):
 
 def test_plain_tp_uses_regular_layouts_and_padding_uses_cells():
     cfg = C.small_config()
-    p = bridge.BridgePlan(_source(cfg), bridge.llama_mapping(cfg, _source(cfg), [2, 3], fused=True))
+    p = bridge.BridgePlan(_source(cfg), bridge.llama_param_map(cfg, _source(cfg), [2, 3], fused=True))
     cells = {j.name.split(":")[1].split("#")[0] for j in p.jobs if "@" in j.name}
     assert cells == {"model.embed_tokens.weight", "lm_head.weight"}  # 1000 rows padded: not a JAX split
     q = next(j for j in p.jobs if j.name.endswith("layers.0.self_attn.qkv_proj.weight#0"))
@@ -96,7 +93,7 @@ def test_plain_tp_uses_regular_layouts_and_padding_uses_cells():
 def test_replicated_trainer_shards_are_balanced_across_processes():
     cfg = C.small_config()
     src = _source(cfg, (2, 2), ("replica", "fsdp"), (0, 1), 2)  # process 0 and 1 each hold a full copy
-    p = bridge.BridgePlan(src, bridge.llama_mapping(cfg, src, [2, 3], fused=True))
+    p = bridge.BridgePlan(src, bridge.llama_param_map(cfg, src, [2, 3], fused=True))
     send = p.rank_bytes()["send"]
     assert set(send) == {0, 1} and abs(send[0] - send[1]) / max(send.values()) < 0.1, send
 
@@ -105,16 +102,16 @@ def test_replicated_trainer_shards_are_balanced_across_processes():
 def test_buckets_cap_staging_memory(cap):
     cfg = C.small_config()
     src = _source(cfg)
-    p = bridge.BridgePlan(src, bridge.llama_mapping(cfg, src, [2, 3], fused=True), bucket_bytes=cap)
+    p = bridge.BridgePlan(src, bridge.llama_param_map(cfg, src, [2, 3], fused=True), bucket_bytes=cap)
     _coverage_ok(p)
     for b in range(p.num_buckets):
         for r in (0, 1, 2, 3):
             assert sum(m.nbytes for m in p.sends(r, b)) <= max(cap, ALIGN)
             assert sum(m.nbytes for m in p.recvs(r, b)) <= max(cap, ALIGN)
     for m in p.messages:  # pieces are aligned and packed without overlap
-        offs = [off for _, off in m.items]
+        offs = [off for _, off in m.pieces]
         assert all(o % ALIGN == 0 for o in offs) and offs == sorted(offs)
-    assert p.network_bytes == sum(int(np.prod([b - a for a, b in t.box])) * 4 for t in p.transfers)
+    assert p.network_bytes == sum(int(np.prod(t.box.shape)) * 4 for t in p.moves)
 
 
 def _consecutive(shape, box) -> bool:
@@ -126,27 +123,33 @@ def _consecutive(shape, box) -> bool:
 def test_segments_partition_messages_and_flag_contiguous_pieces(fused):
     cfg = C.small_config()
     src = _source(cfg)
-    p = bridge.BridgePlan(src, bridge.llama_mapping(cfg, src, [2, 3], fused=fused), bucket_bytes=100_000)
+    p = bridge.BridgePlan(src, bridge.llama_param_map(cfg, src, [2, 3], fused=fused), bucket_bytes=100_000)
     kinds = set()
     for m in p.messages:
         segs = p.segments(m)
-        assert segs[0][0] == 0 and all(prev[1] <= nxt[0] for prev, nxt in zip(segs, segs[1:]))  # ordered, disjoint
+        assert segs[0].start == 0 and all(prev.stop <= nxt.start for prev, nxt in zip(segs, segs[1:], strict=False))
         covered = []
-        for start, stop, k, src_direct, dst_direct in segs:
-            items = [m.items[k]] if k >= 0 else [(i, o) for i, o in m.items if start <= o < stop]
-            assert items and items[0][1] == start and items[-1][1] + p.transfers[items[-1][0]].nbytes == stop
-            covered += items
-            for i, _ in items:  # the flags say exactly whether the piece is one block on each side
-                t = p.transfers[i]
+        for seg in segs:
+            # Recomputed here from offsets, not read back from plan.segment_pieces.
+            pieces = ([m.pieces[seg.piece]] if seg.piece is not None
+                      else [q for q in m.pieces if seg.start <= q.offset < seg.stop])
+            assert pieces and pieces[0].offset == seg.start
+            assert pieces[-1].offset + p.moves[pieces[-1].move].nbytes == seg.stop
+            covered += pieces
+            for i, _ in pieces:  # the flags say exactly whether the piece is one block on each side
+                t = p.moves[i]
                 box, perm = p.dst_region(t)
-                shard = src.layout(t.source).shard_box(t.src)
+                shard = src.layout(t.leaf).shard_box(t.src)
                 region = p.src_region(t)
                 s_ok = _consecutive([shard[d].stop - shard[d].start for d in perm], [region[d] for d in perm])
-                d_ok = _consecutive(p.target(t.target, t.dst).shape, box)
-                assert (src_direct, dst_direct) == ((s_ok, d_ok) if k >= 0 else (False, False))
-                assert k >= 0 or not (s_ok or d_ok)
+                d_ok = _consecutive(p.param(t.param, t.dst).shape, box)
+                direct = seg.piece is not None
+                assert (seg.src_direct, seg.dst_direct) == ((s_ok, d_ok) if direct else (False, False))
+                assert direct or not (s_ok or d_ok)
                 kinds.add((s_ok, d_ok))
-        assert covered == list(m.items)
+        assert covered == list(m.pieces)
+        assert p.segment_pieces(m) == [[m.pieces[s.piece]] if s.piece is not None
+                                       else [q for q in m.pieces if s.start <= q.offset < s.stop] for s in segs]
     assert len(kinds) >= 3, kinds  # the plan exercises direct and packed pieces
 
 
@@ -157,7 +160,7 @@ def test_fingerprint_is_deterministic_and_covers_every_input():
         src = _source(cfg, ranks=kw.pop("ranks", (0, 1)))
         recv = kw.pop("recv", [2, 3])
         bucket = kw.pop("bucket", 1 << 20)
-        return bridge.BridgePlan(src, bridge.llama_mapping(cfg, src, recv, **kw), bucket_bytes=bucket).fingerprint
+        return bridge.BridgePlan(src, bridge.llama_param_map(cfg, src, recv, **kw), bucket_bytes=bucket).fingerprint
 
     base = fp(fused=True)
     assert fp(fused=True) == base
@@ -166,7 +169,7 @@ def test_fingerprint_is_deterministic_and_covers_every_input():
     assert len({base, *variants}) == len(variants) + 1
 
 
-def test_dtensor_targets_match_torch_chunking():
+def test_dtensor_params_match_torch_chunking():
     torch = pytest.importorskip("torch")
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Replicate, Shard
@@ -175,14 +178,14 @@ def test_dtensor_targets_match_torch_chunking():
     src = bridge.Source({"w": Layout((7, 5), bridge.trainer_mesh((2,), "x", [0], 2), ("x",), "float32")})
     ranks = np.arange(4, 10).reshape(2, 3)
     for placements in ([Shard(0), Shard(0)], [Shard(1), Shard(0)], [Replicate(), Shard(1)], [Shard(0), Replicate()]):
-        m = bridge.dtensor_targets("w", src, "w", ranks, placements, transpose=True)
-        for t in m.targets:
-            mesh = DeviceMesh("cpu", torch.from_numpy(ranks), _init_backend=False, _rank=t.rank)
+        m = bridge.dtensor_params("w", src, "w", ranks, placements, transpose=True)
+        for q in m.params:
+            mesh = DeviceMesh("cpu", torch.from_numpy(ranks), _init_backend=False, _rank=q.rank)
             shape, offset = compute_local_shape_and_global_offset((5, 7), mesh, placements)
-            assert t.shape == tuple(shape), (placements, t.rank)
-            if t.regions:
-                box = t.regions[0].box  # leaf coordinates: the torch dims reversed
-                assert (box[1][0], box[0][0]) == tuple(offset), (placements, t.rank)
+            assert q.shape == tuple(shape), (placements, q.rank)
+            if q.regions:
+                box = q.regions[0].box  # leaf coordinates: the torch dims reversed
+                assert (box[1].start, box[0].start) == tuple(offset), (placements, q.rank)
 
 
 def _bad_cases():
@@ -191,36 +194,36 @@ def _bad_cases():
     tiny = bridge.Source({"w": Layout((6, 4), bridge.trainer_mesh((2,), "x", [0], 2), ("x",), "float32")})
     return [
         ("rule regex", lambda: bridge.Rule("(", "x"), ValueError, "not a regular expression"),
-        ("duplicate tp ranks", lambda: bridge.llama_mapping(cfg, src, [2, 2]), ValueError, "distinct"),
-        ("tp ranks not ints", lambda: bridge.llama_mapping(cfg, src, ["a"]), TypeError, "tp_ranks"),
-        ("uneven split", lambda: bridge.tp_mapping(tiny, [bridge.Rule("w", "w", shard=0)], [1, 2, 3, 4]),
+        ("duplicate tp ranks", lambda: bridge.llama_param_map(cfg, src, [2, 2]), ValueError, "distinct"),
+        ("tp ranks not ints", lambda: bridge.llama_param_map(cfg, src, ["a"]), TypeError, "tp_ranks"),
+        ("uneven split", lambda: bridge.tp_param_map(tiny, [bridge.Rule("w", "w", shard=0)], [1, 2, 3, 4]),
          ValueError, "does not split evenly"),
-        ("unmatched leaf", lambda: bridge.tp_mapping(tiny, [bridge.Rule("v", "v")], [1]), ValueError,
+        ("unmatched leaf", lambda: bridge.tp_param_map(tiny, [bridge.Rule("v", "v")], [1]), ValueError,
          "matches no rule"),
-        ("trainer is receiver", lambda: bridge.BridgePlan(src, bridge.llama_mapping(cfg, src, [1, 2])),
+        ("trainer is receiver", lambda: bridge.BridgePlan(src, bridge.llama_param_map(cfg, src, [1, 2])),
          ValueError, "both trainer and inference"),
-        ("tiny bucket", lambda: bridge.BridgePlan(src, bridge.llama_mapping(cfg, src, [2, 3]), bucket_bytes=8),
+        ("tiny bucket", lambda: bridge.BridgePlan(src, bridge.llama_param_map(cfg, src, [2, 3]), bucket_bytes=8),
          ValueError, "bucket_bytes"),
-        ("placements rank", lambda: bridge.dtensor_targets("w", tiny, "w", [1, 2], ["replicate", "replicate"]),
+        ("placements per mesh dim", lambda: bridge.dtensor_params("w", tiny, "w", [1, 2], ["replicate", "replicate"]),
          ValueError, "one per mesh dim"),
-        ("placement kind", lambda: bridge.dtensor_targets("w", tiny, "w", [1, 2], ["partial"]), TypeError,
+        ("placement kind", lambda: bridge.dtensor_params("w", tiny, "w", [1, 2], ["partial"]), TypeError,
          "Shard"),
-        ("missing leaf", lambda: bridge.dtensor_targets("w", tiny, "nope", [1], ["replicate"]), ValueError,
+        ("missing leaf", lambda: bridge.dtensor_params("w", tiny, "nope", [1], ["replicate"]), ValueError,
          "no trainer leaf"),
         ("torch rank as source", lambda: bridge.Source({"w": Layout((2,), Mesh([0, 1], "x"), ())}), ValueError,
          "SOURCE_BASE"),
         ("source id range", lambda: bridge.source_id(0, 1000), ValueError, "local"),
         ("config", lambda: LlamaConfig.load("llama-tiny", num_key_value_heads=3), ValueError, "multiple"),
-        ("tp cuts a head", lambda: bridge.llama_mapping(LlamaConfig.load("llama-tiny", num_attention_heads=12,
+        ("tp cuts a head", lambda: bridge.llama_param_map(LlamaConfig.load("llama-tiny", num_attention_heads=12,
                                                                            num_key_value_heads=4, hidden_size=384),
                                                         _source(LlamaConfig.load("llama-tiny", num_attention_heads=12,
                                                                                  num_key_value_heads=4,
                                                                                  hidden_size=384)),
                                                         list(range(2, 10))), ValueError, "a head would be cut"),
-        ("kv heads not replicable", lambda: bridge.tp_mapping(
+        ("kv heads not replicable", lambda: bridge.tp_param_map(
             tiny, [bridge.Rule("w", "w", shard=0, heads=2, replicate_heads=True)], [1, 2, 3]), ValueError,
          "replicated evenly"),
-        ("more tp ranks than q heads", lambda: bridge.llama_mapping(cfg, src, list(range(2, 18))), ValueError,
+        ("more tp ranks than q heads", lambda: bridge.llama_param_map(cfg, src, list(range(2, 18))), ValueError,
          "16 tensor-parallel ranks for 8 heads"),
         ("replicate without heads", lambda: bridge.Rule("w", "w", shard=0, replicate_heads=True), ValueError,
          "needs heads"),
@@ -244,7 +247,7 @@ def test_import_bridge_and_plan_without_jax_or_torch():
         from jreshard.nn import LlamaConfig, param_shapes, fsdp_spec
         cfg = LlamaConfig.load('llama-tiny')
         src = bridge.Source.build(param_shapes(cfg), bridge.trainer_mesh((4,), 'fsdp', [0, 1], 2), fsdp_spec)
-        print(bridge.BridgePlan(src, bridge.llama_mapping(cfg, src, [2, 3], fused=True)).num_buckets)
+        print(bridge.BridgePlan(src, bridge.llama_param_map(cfg, src, [2, 3], fused=True)).num_buckets)
         """
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -252,7 +255,8 @@ def test_import_bridge_and_plan_without_jax_or_torch():
     assert out.stdout.strip() == "1"
 
 
-@pytest.mark.parametrize("module", ["bridge._source", "bridge._mapping", "bridge._plan", "jreshard.nn.config"])
+@pytest.mark.parametrize("module", ["bridge._source", "bridge._param_map", "bridge._rules", "bridge._plan",
+                                    "bridge._plan_key", "bridge.recipes.llama", "jreshard.nn.config"])
 def test_docstring_examples(module):
     import doctest
 
@@ -265,8 +269,8 @@ def test_receiver_rejects_wrong_params():
     torch = pytest.importorskip("torch")
     cfg = C.small_config()
     src = _source(cfg)
-    p = bridge.BridgePlan(src, bridge.llama_mapping(cfg, src, [2, 3], fused=True))
-    params = {t.name: torch.zeros(t.shape) for t in p.mapping.for_rank(2)}
+    p = bridge.BridgePlan(src, bridge.llama_param_map(cfg, src, [2, 3], fused=True))
+    params = {q.name: torch.zeros(q.shape) for q in p.param_map.for_rank(2)}
     bridge.Receiver(p, params, rank=2)  # accepted
     wrong = dict(params, **{"lm_head.weight": torch.zeros(500, 256)})
     with pytest.raises(ValueError, match=r"lm_head.weight.*\(500, 256\).*\(512, 256\)"):
@@ -276,5 +280,5 @@ def test_receiver_rejects_wrong_params():
     half = dict(params, **{"model.norm.weight": torch.zeros(256, dtype=torch.bfloat16)})
     with pytest.raises(ValueError, match="bfloat16"):
         bridge.Receiver(p, half, rank=2)
-    with pytest.raises(ValueError, match="no targets"):
+    with pytest.raises(ValueError, match="no params"):
         bridge.Receiver(p, params, rank=7)

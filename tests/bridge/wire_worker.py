@@ -35,7 +35,7 @@ def make_plan() -> tuple[bridge.BridgePlan, dict[str, np.ndarray]]:
     src = bridge.Source({"w": Layout((64, 48), mesh, ("fsdp",), "float32"),
                          "v": Layout((48,), mesh, (), "float32")})
     rules = [bridge.Rule("w", "linear.weight", transpose=True, shard=None), bridge.Rule("v", "norm.weight")]
-    plan = bridge.BridgePlan(src, bridge.tp_mapping(src, rules, [1], dtype="bfloat16"), bucket_bytes=2048)
+    plan = bridge.BridgePlan(src, bridge.tp_param_map(src, rules, [1], dtype="bfloat16"), bucket_bytes=2048)
     rng = np.random.default_rng(0)
     return plan, {"w": rng.standard_normal((64, 48), dtype=np.float32), "v": rng.standard_normal(48, dtype=np.float32)}
 
@@ -44,12 +44,12 @@ def sender(plan, arrays, stall: float):
     def pack(m, buf):
         if stall:
             time.sleep(stall)
-        for i, off in m.items:
-            t = plan.transfers[i]
+        for i, off in m.pieces:
+            t = plan.moves[i]
             _, perm = plan.dst_region(t)
-            piece = torch.from_numpy(arrays[t.source][tuple(slice(a, b) for a, b in t.box)]).permute(perm)
+            piece = torch.from_numpy(arrays[t.leaf][t.box]).permute(perm)
             buf[off:off + t.nbytes].view(torch.bfloat16).view(piece.shape).copy_(piece)
-        return [buf[start:stop] for start, stop, *_ in plan.segments(m)]  # everything packed
+        return [buf[seg.start:seg.stop] for seg in plan.segments(m)]  # everything packed
 
     return pack
 
@@ -80,7 +80,7 @@ def main() -> None:
                  unpack=None)
         events["inplace"] = {"ok": True}
     else:
-        params = {t.name: torch.full(t.shape, 7.0, dtype=torch.bfloat16) for t in plan.mapping.for_rank(1)}
+        params = {p.name: torch.full(p.shape, 7.0, dtype=torch.bfloat16) for p in plan.param_map.for_rank(1)}
         rec = bridge.Receiver(plan, params, rank=1, timeout=STALL_TIMEOUT, swap=True)
         ptrs = {n: t.data_ptr() for n, t in params.items()}
         events["ok"] = {"version": rec.sync()}

@@ -6,7 +6,7 @@ test checks them against NumPy references. Phases, in order:
 
   fused_f32   FSDP over 4 JAX devices -> TP2 with fused qkv/gate_up and a padded vocabulary
   fused_bf16  the same, cast to bfloat16 at the sender
-  dtensor     DTensor targets (Shard/Replicate over a DeviceMesh of the two receivers)
+  dtensor     DTensor params (Shard/Replicate over a DeviceMesh of the two receivers)
   mismatch    receivers plan with another vocabulary padding: every rank must raise PlanMismatchError
   rejected    receiver rank 3's Receiver refuses its parameters and it calls bridge.reject_sync: every
               other rank must fail at once (not after ready_timeout), receiver 2's weights untouched
@@ -36,6 +36,8 @@ import _common as C  # noqa: E402
 import bridge  # noqa: E402
 from jreshard.nn import fsdp_spec, param_shapes  # noqa: E402
 
+source_for = C.source_for
+
 TIMEOUT = 15.0
 KILL_TIMEOUT = 10.0
 
@@ -49,33 +51,29 @@ def save(out: str, rank: int) -> None:
     os.replace(name + ".tmp", name)
 
 
-def source_for(config) -> bridge.Source:
-    return bridge.Source.build(param_shapes(config), bridge.trainer_mesh((4,), "fsdp", C.TRAINERS, 2), fsdp_spec)
-
-
 def plans(config, **kw) -> dict[str, bridge.BridgePlan]:
     """Every phase's plan, built from the config alone (what a torch-only process can do)."""
     small, tiny = C.small_config(), C.tiny_config()
     s_small, s_tiny = source_for(small), source_for(tiny)
-    fused = bridge.llama_mapping(small, s_small, C.RECEIVERS, fused=True, vocab_pad=64)
+    fused = bridge.llama_param_map(small, s_small, C.RECEIVERS, fused=True, vocab_pad=64)
     out = {
         "fused_f32": bridge.BridgePlan(s_small, fused, bucket_bytes=1 << 20),
         "fused_bf16": bridge.BridgePlan(
-            s_small, bridge.llama_mapping(small, s_small, C.RECEIVERS, fused=True, dtype="bfloat16"),
+            s_small, bridge.llama_param_map(small, s_small, C.RECEIVERS, fused=True, dtype="bfloat16"),
             bucket_bytes=1 << 20),
         "e2e": bridge.BridgePlan(
-            s_tiny, bridge.llama_mapping(tiny, s_tiny, C.RECEIVERS, fused=False, vocab_pad=C.E2E_VOCAB_PAD)),
+            s_tiny, bridge.llama_param_map(tiny, s_tiny, C.RECEIVERS, fused=False, vocab_pad=C.E2E_VOCAB_PAD)),
         "kill": bridge.BridgePlan(s_small, fused, bucket_bytes=64 << 10),
     }
     out["pre_kill"] = out["restart"] = out["kill"]
     out["mismatch"] = out["fused_f32"]  # the receivers plan this one with another padding
     out["rejected"] = out["fused_f32"]
-    dt = (bridge.dtensor_targets("q.weight", s_small, "layers_0/attn/q_proj/kernel", [2, 3], [("shard", 0)],
+    dt = (bridge.dtensor_params("q.weight", s_small, "layers_0/attn/q_proj/kernel", [2, 3], [("shard", 0)],
                                  transpose=True)
-          + bridge.dtensor_targets("down.weight", s_small, "layers_1/mlp/down_proj/kernel", [2, 3], [("shard", 1)],
+          + bridge.dtensor_params("down.weight", s_small, "layers_1/mlp/down_proj/kernel", [2, 3], [("shard", 1)],
                                    transpose=True)
-          + bridge.dtensor_targets("embed.weight", s_small, "embed/embedding", [2, 3], ["replicate"])
-          + bridge.dtensor_targets("norm.weight", s_small, "final_norm/scale", [2, 3], [("shard", 0)]))
+          + bridge.dtensor_params("embed.weight", s_small, "embed/embedding", [2, 3], ["replicate"])
+          + bridge.dtensor_params("norm.weight", s_small, "final_norm/scale", [2, 3], [("shard", 0)]))
     out["dtensor"] = bridge.BridgePlan(s_small, dt, bucket_bytes=1 << 20)
     return out
 
@@ -83,7 +81,8 @@ def plans(config, **kw) -> dict[str, bridge.BridgePlan]:
 # --------------------------------------------------------------------------- trainers
 def trainer(rank: int, args) -> None:
     import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from bridge.sender import Sender, describe
     from jreshard import nn as jnn
@@ -193,7 +192,7 @@ def receiver(rank: int, args) -> None:
     all_plans = plans(None)
 
     def zeros(plan) -> dict[str, torch.Tensor]:
-        return {t.name: torch.zeros(t.shape, dtype=getattr(torch, t.dtype)) for t in plan.mapping.for_rank(rank)}
+        return {p.name: torch.zeros(p.shape, dtype=getattr(torch, p.dtype)) for p in plan.param_map.for_rank(rank)}
 
     def dump(phase: str, params: dict) -> None:
         np.savez(os.path.join(args.out, f"rank{rank}_{phase}.npz"),
@@ -223,14 +222,14 @@ def receiver(rank: int, args) -> None:
     s_small = source_for(C.small_config())
     leaves = {"q.weight": ("layers_0/attn/q_proj/kernel", True), "down.weight": ("layers_1/mlp/down_proj/kernel", True),
               "embed.weight": ("embed/embedding", False), "norm.weight": ("final_norm/scale", False)}
-    mapping = bridge.dtensor_mapping(s_small, {n: (dts[n], *leaves[n]) for n in dts})
-    events["dtensor_mapping_matches"] = mapping == all_plans["dtensor"].mapping
-    plan = bridge.BridgePlan(s_small, mapping, bucket_bytes=1 << 20)
+    param_map = bridge.dtensor_param_map(s_small, {n: (dts[n], *leaves[n]) for n in dts})
+    events["dtensor_param_map_matches"] = param_map == all_plans["dtensor"].param_map
+    plan = bridge.BridgePlan(s_small, param_map, bucket_bytes=1 << 20)
     run("dtensor", bridge.Receiver(plan, dts, rank=rank, timeout=TIMEOUT), {n: d.to_local() for n, d in dts.items()})
 
     small = C.small_config()
     # Another vocabulary padding (1000 rows to 1056, not 1024): same names, other shapes and plan.
-    wrong = bridge.BridgePlan(s_small, bridge.llama_mapping(small, s_small, C.RECEIVERS, fused=True, vocab_pad=96),
+    wrong = bridge.BridgePlan(s_small, bridge.llama_param_map(small, s_small, C.RECEIVERS, fused=True, vocab_pad=96),
                               bucket_bytes=all_plans["mismatch"].bucket_bytes)
     params = zeros(wrong)
     run("mismatch", bridge.Receiver(wrong, params, rank=rank, timeout=TIMEOUT), params)

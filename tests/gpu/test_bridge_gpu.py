@@ -51,7 +51,8 @@ def test_dlpack_is_zero_copy_on_gpu(dtype):
 def measure(jax, torch, device, *, layers: int = 4, hidden: int = 2048, reps: int = 5) -> dict[str, float]:
     """Pack and unpack throughput of one trainer device -> one inference rank (TP1, bfloat16) on ``device``."""
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     import bridge
     from bridge.sender import Sender, describe
@@ -71,13 +72,13 @@ def measure(jax, torch, device, *, layers: int = 4, hidden: int = 2048, reps: in
         node[last] = jax.device_put(jnp.asarray(rng.standard_normal(shape, dtype=np.float32)),
                                     NamedSharding(mesh, P()))
     src = describe(params, trainer_ranks=[0])
-    plan = bridge.BridgePlan(src, bridge.llama_mapping(cfg, src, [1], fused=True, dtype="bfloat16"),
+    plan = bridge.BridgePlan(src, bridge.llama_param_map(cfg, src, [1], fused=True, dtype="bfloat16"),
                              bucket_bytes=1 << 40)  # one bucket: one message, the whole model
     (msg,) = plan.messages
     sender = Sender(plan, rank=0)
     shards = sender._shards(params)
     dev = torch.device("cuda") if device.platform == "gpu" else torch.device("cpu")
-    local = {t.name: torch.zeros(t.shape, dtype=torch.bfloat16, device=dev) for t in plan.mapping.for_rank(1)}
+    local = {p.name: torch.zeros(p.shape, dtype=torch.bfloat16, device=dev) for p in plan.param_map.for_rank(1)}
     receiver = bridge.Receiver(plan, local, rank=1)
     buf = torch.empty(msg.nbytes, dtype=torch.uint8, device=dev)
     other = torch.empty_like(buf)
