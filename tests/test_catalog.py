@@ -90,5 +90,36 @@ def test_bad_arguments():
         catalog.load_config(42)
 
 
+def test_name_from_the_file_when_the_config_has_none(tmp_path):
+    unnamed = {k: v for k, v in SMALL_QWEN3.items() if k != "_name_or_path"}
+    (tmp_path / "Org-Model-7B").mkdir()
+    (tmp_path / "Org-Model-7B" / "config.json").write_text(json.dumps(unnamed))
+    (tmp_path / "my-model.json").write_text(json.dumps(unnamed))
+    assert catalog.load_config(str(tmp_path / "Org-Model-7B" / "config.json")).name == "org-model-7b"
+    assert catalog.load_config(tmp_path / "my-model.json").name == "my-model"
+    assert catalog.load_config(str(tmp_path / "my-model.json"), name="Mine").name == "Mine"
+
+
+def test_architecture_from_the_model_class():
+    cfg = {k: v for k, v in SMALL_QWEN3.items() if k != "model_type"}
+    assert catalog.load_config({**cfg, "architectures": ["Qwen3ForCausalLM"]}).architecture == "qwen3"
+    assert catalog.load_config({**cfg, "architectures": ["MistralForCausalLM"]}).architecture == "llama"
+    with pytest.raises(ValueError, match="'GPT2LMHeadModel', which the catalog does not support"):
+        catalog.load_config({**cfg, "architectures": ["GPT2LMHeadModel"]})
+
+
+def test_attention_heads():
+    by = {t.name: t for t in catalog.tensors("qwen3-32b")}
+    p = "model.layers.0.self_attn."
+    assert [(by[p + n].heads, by[p + n].replicate_heads) for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight",
+                                                                   "o_proj.weight")] == [(64, False), (8, True),
+                                                                                         (8, True), (64, False)]
+    assert by[p + "q_norm.weight"].heads is None and by["model.layers.0.mlp.up_proj.weight"].heads is None
+    mla = {t.name: t for t in catalog.tensors("deepseek-v3", mtp=False)}
+    assert [mla[p + n].heads for n in ("q_b_proj.weight", "kv_b_proj.weight", "o_proj.weight")] == [128] * 3
+    assert mla[p + "kv_a_proj_with_mqa.weight"].heads is None
+
+
 def test_docstring_examples():
-    assert doctest.testmod(catalog).failed == 0
+    result = doctest.testmod(catalog)
+    assert result.attempted > 0 and result.failed == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import doctest
+import importlib
 
 import numpy as np
 import pytest
@@ -141,8 +142,30 @@ def test_hardware_and_topology_errors():
         cost.flat_direct({"a": CASES["scalar"][0]}, {"b": CASES["scalar"][1]}, TOPO)
 
 
-def test_docstring_examples():
-    assert doctest.testmod(cost).failed == 0
+@pytest.mark.parametrize("module", ["cost", "hardware", "traffic", "hierarchical", "baselines"])
+def test_docstring_examples(module):
+    mod = importlib.import_module(f"jreshard.fleet.{module}")
+    result = doctest.testmod(mod)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_old_public_names_reachable():
+    names = ["Hardware", "Topology", "Traffic", "Prediction", "TwoStagePlan", "Comparison", "load_hardware",
+             "hardware_names", "predict", "sender_load_bound", "predict_plan", "predict_two_stage", "plan_traffic",
+             "hierarchical_plan", "gather_broadcast", "flat_direct", "compare"]
+    assert set(names) <= set(cost.__all__)
+    for name in cost.__all__:
+        assert getattr(jreshard.cost, name) is getattr(importlib.import_module("jreshard.fleet.cost"), name)
+
+
+def test_stage_layouts_are_cached_per_layout():
+    from jreshard.fleet.hierarchical import stage_parts
+
+    dst = CASES["tp2dp4"][1]
+    again = Layout(dst.shape, Mesh(np.arange(8, 16).reshape(4, 2), ("dp", "tp")), dst.dim_axes, dst.dtype)
+    assert stage_parts(dst, 4) is stage_parts(again, 4)  # equal layouts share their stage parts
+    assert [p.part for p in stage_parts(dst, 4)] == ["domain2", "domain3"]
+    assert stage_parts(dst, 1) == (("direct", dst, None),)  # one GPU per domain: nothing to fan out
 
 
 def test_sender_load_bound():

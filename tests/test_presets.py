@@ -20,6 +20,8 @@ TINY_MOE = catalog.load_config({"model_type": "qwen3_moe", "name": "tiny-moe", "
                                 "moe_intermediate_size": 8, "num_hidden_layers": 4, "num_attention_heads": 4,
                                 "num_key_value_heads": 2, "head_dim": 4, "num_experts": 4, "dtype": "float32"})
 
+ODD_MOE = catalog.load_config({**dict(TINY_MOE.params), "name": "odd-moe", "moe_intermediate_size": 6})
+
 
 def box(layout, device):
     return tuple((s.start, s.stop) for s in layout.shard_box(device))
@@ -35,7 +37,7 @@ def test_megatron_tp_pp_dp_rank_order():
     assert box(o3, 5) == ((0, 256), (128, 256))
     assert set(src["model.embed_tokens.weight"].mesh.device_ids) == {0, 1, 2, 3}
     assert set(src["lm_head.weight"].mesh.device_ids) == {4, 5, 6, 7}
-    assert src["model.norm.weight"].spec == ((),) and src["model.norm.weight"].mesh.device_ids[0] == 4
+    assert src["model.norm.weight"].spec == (None,) and src["model.norm.weight"].mesh.device_ids[0] == 4
     assert box(src["lm_head.weight"], 7) == ((512, 1024), (0, 256))  # vocab parallel
 
 
@@ -124,6 +126,84 @@ def test_moe_bit_exact():
         assert_plan_ok(p[name])
 
 
+def test_kv_heads_replicated_whole_when_tp_exceeds_them():
+    # llama-tiny: 8 query heads, 4 KV heads of 32 rows. At TP8 vLLM puts KV head r // 2 on rank r.
+    dst = presets.infer_layouts(TINY, InferParallel(tp=8, dp=2), range(16, 32))
+    k = dst["model.layers.0.self_attn.k_proj.weight"]  # [128, 256]
+    assert k.mesh.axis_names == ("dp", "tp", "tp_replica") and k.mesh.shape == (2, 4, 2)
+    assert [box(k, d)[0] for d in range(16, 24)] == [(0, 32), (0, 32), (32, 64), (32, 64), (64, 96), (64, 96),
+                                                     (96, 128), (96, 128)]
+    assert box(k, 24) == box(k, 16) and box(k, 31) == ((96, 128), (0, 256))
+    q = dst[Q.format(0)]  # 8 query heads at TP8: one head a rank, not replicated
+    assert q.mesh.shape == (2, 8) and [box(q, d)[0] for d in (16, 17, 23)] == [(0, 32), (32, 64), (224, 256)]
+    src = presets.train_layouts(TINY, TrainParallel(tp=2, dp=2), range(4))
+    st = jreshard.plan(src, dst)["model.layers.0.self_attn.k_proj.weight"].stats()
+    assert st.network_bytes == 16 * 32 * 256 * 4  # each of 16 ranks receives one whole head
+
+
+def test_heads_agree_with_the_bridge_rule():
+    bridge = pytest.importorskip("bridge")
+    from bridge._source import trainer_mesh
+    from jreshard import Layout
+
+    # The bridge's Rule for 4 KV heads at TP8 reads the same rows as the preset's layout.
+    leaf = Layout((128, 256), trainer_mesh((1,), "x", [0], 1), (), "float32")
+    rule = bridge.Rule("k", "k_proj.weight", shard=0, heads=4, replicate_heads=True)
+    mapping = bridge.tp_mapping(bridge.Source({"k": leaf}), [rule], list(range(8)))
+    k = presets.infer_layouts(TINY, InferParallel(tp=8), range(8))["model.layers.0.self_attn.k_proj.weight"]
+    for rank in range(8):
+        (target,) = [t for t in mapping.targets if t.rank == rank]
+        region = tuple((b.start, b.stop) if isinstance(b, slice) else tuple(b) for b in target.regions[0].box)
+        assert region == box(k, rank), rank
+
+
+@pytest.mark.parametrize("infos, par, match", [
+    # llama-tiny: 8 query heads, 4 KV heads, intermediate size 688, 4 layers, no experts.
+    (TINY, InferParallel(tp=16), "tp=16 on model.layers.0.self_attn.q_proj.weight: 16 tensor-parallel ranks for "
+                                 "8 heads, which are not replicated; use a TP degree dividing 8"),
+    (TINY, TrainParallel(tp=8), "tp=8 on model.layers.0.self_attn.k_proj.weight: 8 tensor-parallel ranks for 4 heads"),
+    (TINY, InferParallel(tp=3), "tp=3 on model.layers.0.self_attn.q_proj.weight: .*a head would be cut"),
+    (TINY, InferParallel(ep=2), "ep=2 but the model has no routed experts; use ep=1"),
+    (TINY, TrainParallel(pp=5), "pp=5 stages exceed the model's 4 layers; use pp <= 4"),
+    (catalog.tensors(TINY_MOE), TrainParallel(ep=3), "ep=3 does not divide the model's 4 routed experts; make ep a "
+                                                     "divisor of 4"),
+    (catalog.tensors(TINY_MOE), TrainParallel(expert_tp=3), "expert_tp=3 on model.layers.0.mlp.experts.0.gate_proj"
+                                                           ".weight: dim 0 of size 8 does not split evenly"),
+    (catalog.tensors(ODD_MOE, experts="stacked"), InferParallel(tp=4), "tp=4 on .*experts.gate_proj.weight: dim 1 "
+                                                                       "of size 6 .*make tp a divisor of 6"),
+    ([catalog.TensorInfo("w", (10, 4), "float32", "column")], InferParallel(tp=4), "w: dim 0 of size 10"),
+])
+def test_check_degrees_refuses(infos, par, match):
+    with pytest.raises(ValueError, match=match):
+        presets.check_degrees(infos, par)
+
+
+def test_check_degrees_accepts_what_presets_lay_out():
+    presets.check_degrees(TINY, InferParallel(tp=8))  # KV heads replicated
+    presets.check_degrees(TINY, TrainParallel(tp=4, pp=3))  # uneven stages: 2, 1, 1 layers
+    presets.check_degrees(catalog.tensors(TINY_MOE), InferParallel(tp=4, ep=4))  # experts whole on their ep rank
+    with pytest.raises(TypeError, match="TrainParallel or an InferParallel"):
+        presets.check_degrees(TINY, {"tp": 2})
+
+
+@pytest.mark.parametrize("text, kind, kwargs, exc, match", [
+    ("tp=x", "train", {}, ValueError, "cannot read 'tp=x'"),
+    ("tp=0", "infer", {}, ValueError, "positive ints"),
+    ("tp=2,tp=4", "infer", {}, ValueError, "tp is given twice"),
+    ("pp=2", "infer", {}, ValueError, r"names from \['tp', 'dp', 'ep'\]"),
+    ("gpus=8", "infer", {}, ValueError, "cannot read 'gpus=8'"),
+    ("tp=2", "serve", {}, ValueError, "kind must be 'train' or 'infer'"),
+    (4, "train", {}, TypeError, "train degrees must be a string"),
+])
+def test_parse_degrees_errors(text, kind, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        presets.parse_degrees(text, kind, **kwargs)
+
+
+def test_parse_degrees_with_gpus():
+    assert presets.parse_degrees(" gpus=8 , tp=4,", "infer", gpus=True) == {"gpus": 8, "tp": 4}
+
+
 @pytest.mark.parametrize("call, exc, match", [
     (lambda: presets.train_layouts(TINY, TrainParallel(tp=2, pp=2), range(6)), ValueError, "multiply|cannot hold"),
     (lambda: presets.train_layouts(TINY, TrainParallel(pp=3), range(8)), ValueError, "pp=3"),
@@ -141,7 +221,8 @@ def test_errors(call, exc, match):
 def test_parse_parallel_and_docstrings():
     assert presets.parse_parallel("tp=4, pp=2", "train") == TrainParallel(tp=4, pp=2)
     assert presets.parse_parallel("tp=8,dp=2,ep=16", "infer") == InferParallel(tp=8, dp=2, ep=16)
-    assert doctest.testmod(presets).failed == 0
+    result = doctest.testmod(presets)
+    assert result.attempted > 0 and result.failed == 0
 
 
 def test_many_layers_balance_over_replicas():

@@ -65,6 +65,11 @@ ERRORS = [
     ("colocated sizes", {**BASE, "colocated": True, "infer": {"gpus": 4, "tp": 4}}, "field 'colocated'"),
     ("bad override", {**BASE, "gpus_per_domain_override": -1}, "field 'gpus_per_domain_override'"),
     ("bad published", {**BASE, "published": 3}, "field 'published'"),
+    ("tp cuts a head", {**BASE, "infer": {"gpus": 16, "tp": 16}},
+     "field 'infer': tp=16 on model.layers.0.self_attn.q_proj.weight: .*use a TP degree dividing 8"),
+    ("training tp above the KV heads", {**BASE, "train": {"gpus": 8, "tp": 8}},
+     "field 'train': tp=8 on model.layers.0.self_attn.k_proj.weight"),
+    ("ep without experts", {**BASE, "infer": {"gpus": 8, "tp": 4, "dp": 2, "ep": 2}}, "field 'infer': ep=2 .*use ep=1"),
 ]
 
 
@@ -95,5 +100,20 @@ def test_hardware_file_errors(tmp_path):
         load_scenario({**BASE, "hardware": str(hw)})
 
 
+def test_error_carries_field_and_reason():
+    with pytest.raises(ScenarioError) as info:
+        load_scenario({**BASE, "infer": {"gpus": 16, "tp": 16}}, name="wide")
+    assert info.value.field == "infer"
+    assert info.value.reason.startswith("tp=16 on model.layers.0.self_attn.q_proj.weight: 16 tensor-parallel ranks")
+    assert str(info.value) == f"scenario wide: field 'infer': {info.value.reason}"
+
+
+def test_kv_heads_replicated_at_tp8():
+    s = load_scenario({**BASE, "infer": {"gpus": 16, "tp": 8, "dp": 2}})  # llama-tiny has 4 KV heads
+    _, dst = s.layouts()
+    assert dst["model.layers.0.self_attn.v_proj.weight"].replication == 4  # 2 ranks per head, 2 engines
+
+
 def test_docstring_examples():
-    assert doctest.testmod(scenario).failed == 0
+    result = doctest.testmod(scenario)
+    assert result.attempted > 0 and result.failed == 0

@@ -65,7 +65,7 @@ def gather_broadcast(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo:
     groups: dict[tuple, list[int]] = {}
     for t, n in enumerate(names):
         lay = dst[n]
-        groups.setdefault((lay.mesh, lay.spec, lay.shape), []).append(t)
+        groups.setdefault((lay.mesh, lay.dim_axes, lay.shape), []).append(t)
     sizes = np.array([src[n].size * dst[n].itemsize for n in names], dtype=float)
     root_ids = np.array([roots[n].mesh.device_ids[0] for n in names], dtype=np.int64)
     for ts in groups.values():

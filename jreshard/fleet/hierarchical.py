@@ -73,9 +73,9 @@ class _Group(NamedTuple):
     replica_axis: str | None  # None: delivered directly
 
 
-def _replica_rows(mesh: Mesh, spec: tuple) -> tuple[np.ndarray, tuple[str, ...], tuple[int, ...]]:
+def _replica_rows(mesh: Mesh, dim_axes: tuple) -> tuple[np.ndarray, tuple[str, ...], tuple[int, ...]]:
     """Devices of each replica as rows (the sharding axes in mesh order), with those axes' names and sizes."""
-    used = {a for axes in spec for a in axes}
+    used = {a for axes in dim_axes for a in axes}
     names = mesh.axis_names
     rep = [i for i, n in enumerate(names) if n not in used]
     other = [i for i, n in enumerate(names) if n in used]
@@ -85,9 +85,9 @@ def _replica_rows(mesh: Mesh, spec: tuple) -> tuple[np.ndarray, tuple[str, ...],
 
 
 @functools.lru_cache(maxsize=1024)
-def _domain_groups(mesh: Mesh, spec: tuple, gpus_per_domain: int) -> tuple[_Group, ...]:
-    """The replicas of a (mesh, spec) grouped by the NVLink domain that holds them whole."""
-    rows, other_names, rest_shape = _replica_rows(mesh, spec)
+def _domain_groups(mesh: Mesh, dim_axes: tuple, gpus_per_domain: int) -> tuple[_Group, ...]:
+    """The replicas of a (mesh, dim_axes) grouped by the NVLink domain that holds them whole."""
+    rows, other_names, rest_shape = _replica_rows(mesh, dim_axes)
     dom = rows // gpus_per_domain
     whole = (dom == dom[:, :1]).all(axis=1)
     by_dom: dict[int, list[int]] = {}
@@ -109,42 +109,42 @@ def _domain_groups(mesh: Mesh, spec: tuple, gpus_per_domain: int) -> tuple[_Grou
     return tuple(groups)
 
 
-def _split_spec(dst: Layout, rep: str) -> tuple:
-    """``dst.spec`` with ``rep`` added (minor) to the dim whose shards are longest."""
+def _split_dim_axes(dst: Layout, rep: str) -> tuple:
+    """``dst.dim_axes`` with ``rep`` added (minor) to the dim whose shards are longest."""
     sizes = dict(zip(dst.mesh.axis_names, dst.mesh.shape, strict=True))
     extent = [(-(-n // math.prod(sizes[a] for a in axes)), -len(axes), d)
-              for d, (n, axes) in enumerate(zip(dst.shape, dst.spec, strict=True))]
+              for d, (n, axes) in enumerate(zip(dst.shape, dst.dim_axes, strict=True))]
     _, _, dim = max(extent)
-    spec = list(dst.spec)
-    spec[dim] = tuple(spec[dim]) + (rep,)
-    return tuple(spec)
+    dim_axes = list(dst.dim_axes)
+    dim_axes[dim] = dim_axes[dim] + (rep,)
+    return tuple(dim_axes)
 
 
 @functools.lru_cache(maxsize=4096)
 def stage_parts(dst: Layout, gpus_per_domain: int) -> tuple[StagePart, ...]:
     """The parts of one destination layout under hierarchical delivery (tensors of one layout share them)."""
-    groups = _domain_groups(dst.mesh, dst.spec, gpus_per_domain)
+    groups = _domain_groups(dst.mesh, dst.dim_axes, gpus_per_domain)
     if len(groups) == 1 and groups[0].replica_axis is None:
         return (StagePart("direct", dst, None),)
     out = []
     for part, mesh, rep in groups:
-        target = Layout(dst.shape, mesh, dst.spec, dst.dtype)
+        target = Layout(dst.shape, mesh, dst.dim_axes, dst.dtype)
         if rep is None:
             out.append(StagePart(part, target, None))
         elif not dst.shape:
             # A scalar cannot be sliced: the first replica of the domain gets it whole.
             first = Mesh(mesh.devices[:1], mesh.axis_names)
-            out.append(StagePart(part, Layout(dst.shape, first, dst.spec, dst.dtype), target))
+            out.append(StagePart(part, Layout(dst.shape, first, dst.dim_axes, dst.dtype), target))
         else:
-            out.append(StagePart(part, Layout(dst.shape, mesh, _split_spec(dst, rep), dst.dtype), target))
+            out.append(StagePart(part, Layout(dst.shape, mesh, _split_dim_axes(dst, rep), dst.dtype), target))
     return tuple(out)
 
 
 def has_domain_replicas(dst: Mapping[str, Layout], topo: Topology) -> bool:
     """Whether some NVLink domain holds two whole replicas of a tensor (hierarchical delivery applies)."""
-    pairs = {(lay.mesh, lay.spec) for lay in dst.values()}
-    return any(g.replica_axis is not None for mesh, spec in pairs
-               for g in _domain_groups(mesh, spec, topo.gpus_per_domain))
+    pairs = {(lay.mesh, lay.dim_axes) for lay in dst.values()}
+    return any(g.replica_axis is not None for mesh, dim_axes in pairs
+               for g in _domain_groups(mesh, dim_axes, topo.gpus_per_domain))
 
 
 def hierarchical_plan(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology, *,

@@ -182,7 +182,7 @@ def sender_load_bound(src: Mapping[str, Layout], stats: PlanStats) -> float:
 
     seen = set()
     for lay in src.values():
-        key = (id(lay.mesh), lay.spec, lay.shape)
+        key = (lay.mesh, lay.dim_axes, lay.shape)
         if key in seen:
             continue
         seen.add(key)
