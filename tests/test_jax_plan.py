@@ -58,7 +58,7 @@ def test_partition_specs_with_mesh_and_path_names():
     leaves = parse(params, {"layers": P(None, "tp"), "norm": P()}, mesh=SERVE)
     assert leaves.names == ("layers/0/wq", "norm")
     assert leaves.shardings[0] == NamedSharding(SERVE, P(None, "tp"))
-    assert leaves.dst[0].spec == ((), ("tp",))
+    assert leaves.dst[0].spec == (None, "tp")
 
 
 def test_path_names_of_attribute_and_index_keys():

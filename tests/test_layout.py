@@ -85,7 +85,7 @@ def test_from_jax_named_sharding():
     sharding = NamedSharding(JaxMesh(devices, ("dp", "tp")), P("tp"))
     layout = Layout.from_jax((8, 4), sharding, dtype="bfloat16")
     assert layout.mesh.device_ids == tuple(d.id for d in devices.ravel())
-    assert layout.spec == (("tp",), ())
+    assert layout.spec == ("tp", None) and layout.dim_axes == (("tp",), ())
     assert layout.itemsize == 2
     # Each device's box is the one JAX itself assigns.
     for device, index in sharding.devices_indices_map((8, 4)).items():

@@ -209,9 +209,17 @@ class Layout:
         return Layout(self.shape, self.mesh, self.dim_axes, dtype)
 
     @property
-    def spec(self) -> tuple[tuple[str, ...], ...]:
-        """Per dim, the mesh axes that split it, major to minor (``()``: not split)."""
-        return self.dim_axes
+    def spec(self) -> tuple[str | tuple[str, ...] | None, ...]:
+        """The spec as ``PartitionSpec`` entries, one per dim: ``None``, an axis name, or a tuple of names.
+
+        ``dim_axes`` holds the same as one tuple of axis names per dim.
+
+        Example:
+          >>> mesh = Mesh([[0, 1], [2, 3]], ("dp", "tp"))
+          >>> Layout((8, 4, 2), mesh, (("dp", "tp"),)).spec, Layout((8, 4), mesh, (None, "tp")).spec
+          ((('dp', 'tp'), None, None), (None, 'tp'))
+        """
+        return tuple(None if not axes else axes[0] if len(axes) == 1 else axes for axes in self.dim_axes)
 
     @property
     def ndim(self) -> int:
