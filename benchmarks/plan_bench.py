@@ -88,7 +88,8 @@ def cold(src, dst):
 
 def big_tensor(n_src: int) -> tuple[Layout, Layout]:
     """(65536, 8192) from FSDP(n/8) x TP(8) onto TP(8) x DP(n/16) on the next n/2 devices."""
-    src = Layout((65536, 8192), Mesh(np.arange(n_src).reshape(n_src // 8, 8), ("fsdp", "tp")), ("fsdp", "tp"), "bfloat16")
+    src_mesh = Mesh(np.arange(n_src).reshape(n_src // 8, 8), ("fsdp", "tp"))
+    src = Layout((65536, 8192), src_mesh, ("fsdp", "tp"), "bfloat16")
     n_dst = n_src // 2
     dst = Layout((65536, 8192), Mesh(np.arange(n_src, n_src + n_dst).reshape(n_dst // 8, 8), ("dp", "tp")),
                  (None, "tp"), "bfloat16")
@@ -100,9 +101,9 @@ def main() -> None:
     for kind, label in (("megatron", "Megatron TP8 x DP32 -> TP8 x DP16 (replica balancing)"),
                         ("fsdp", "FSDP32 x TP8 -> TP8 x DP16 (32 pieces per shard)")):
         src, dst = synthetic_tree(kind)
-        first, p = timed(lambda: cold(src, dst))
-        best, p = timed(lambda: cold(src, dst), repeat=3)
-        warm, _ = timed(lambda: jreshard.plan(src, dst), repeat=5)
+        first, p = timed(lambda src=src, dst=dst: cold(src, dst))
+        best, p = timed(lambda src=src, dst=dst: cold(src, dst), repeat=3)
+        warm, _ = timed(lambda src=src, dst=dst: jreshard.plan(src, dst), repeat=5)
         s = p.stats()
         print(f"\n10,000-tensor pytree, 256 -> 128 devices, {label}: {s.moves:,} network moves")
         print(f"  cold (first in process)  {first * 1e3:9.1f} ms")

@@ -41,7 +41,8 @@ def main(names: list[str]) -> None:
     print(banner("jreshard scale benchmark: whole models, every scenario"))
     rows = [run(n) for n in names]
     print(f"\n{'scenario':<38} {'tensors':>7} {'cold s':>7} {'best s':>7} {'warm ms':>8} {'moved TB':>9} "
-          f"{'=LB':>4} {'max/mean':>8} {'max/bound':>9}  {'pred jreshard':>14} {'gather+bcast':>12} {'flat':>7}  published")
+          f"{'=LB':>4} {'max/mean':>8} {'max/bound':>9}  {'pred jreshard':>14} {'gather+bcast':>12} {'flat':>7}"
+          "  published")
     for r in rows:
         st, c = r["stats"], r["cmp"]
         pub = ", ".join(f"{k.removesuffix('_s')} {v}" for k, v in r["published"].items() if isinstance(v, (int, float)))

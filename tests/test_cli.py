@@ -29,7 +29,7 @@ def test_json_keys_and_values(tmp_path, capsys):
     rc, out, err = run(capsys, str(path), "--json")
     assert rc == 0, err
     r = json.loads(out)
-    assert KEYS <= set(r)
+    assert set(r) >= KEYS
     assert set(r["predicted_seconds"]) == {"jreshard", "gather_broadcast", "flat_direct"}
     # llama-tiny in float32: tp-split tensors reach both engines, norms all 8 devices.
     assert r["bytes_moved"] == r["lower_bound_bytes"] == 2 * 13706240 + 6 * 9 * 256 * 4

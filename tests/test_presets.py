@@ -14,7 +14,7 @@ from tests._oracle import assert_plan_ok
 
 TINY = catalog.tensors("llama-tiny")
 Q = "model.layers.{}.self_attn.q_proj.weight"
-O = "model.layers.{}.self_attn.o_proj.weight"
+O_PROJ = "model.layers.{}.self_attn.o_proj.weight"
 
 TINY_MOE = catalog.load_config({"model_type": "qwen3_moe", "name": "tiny-moe", "vocab_size": 64, "hidden_size": 16,
                                 "moe_intermediate_size": 8, "num_hidden_layers": 4, "num_attention_heads": 4,
@@ -32,12 +32,12 @@ def test_megatron_tp_pp_dp_rank_order():
     q0 = src[Q.format(0)]  # [256, 256]; stage 0 = devices 0-3 as (dp, fsdp, cp, tp), tp innermost
     assert q0.mesh.axis_names == ("dp", "fsdp", "cp", "tp") and q0.mesh.device_ids == (0, 1, 2, 3)
     assert [box(q0, d) for d in range(4)] == [((0, 128), (0, 256)), ((128, 256), (0, 256))] * 2
-    o3 = src[O.format(3)]  # row parallel, last stage
+    o3 = src[O_PROJ.format(3)]  # row parallel, last stage
     assert o3.mesh.device_ids == (4, 5, 6, 7)
     assert box(o3, 5) == ((0, 256), (128, 256))
     assert set(src["model.embed_tokens.weight"].mesh.device_ids) == {0, 1, 2, 3}
     assert set(src["lm_head.weight"].mesh.device_ids) == {4, 5, 6, 7}
-    assert src["model.norm.weight"].spec == (None,) and src["model.norm.weight"].mesh.device_ids[0] == 4
+    assert src["model.norm.weight"].dim_axes == ((),) and src["model.norm.weight"].mesh.device_ids[0] == 4
     assert box(src["lm_head.weight"], 7) == ((512, 1024), (0, 256))  # vocab parallel
 
 
@@ -56,7 +56,7 @@ def test_fsdp_leading_dim_major_tp_minor_not_collapsed():
     assert q.spec[0] == ("fsdp", "tp")
     # Device 1 is (fsdp 0, tp 1): the second quarter; device 2 is (fsdp 1, tp 0): the third.
     assert [box(q, d)[0] for d in range(4)] == [(0, 64), (64, 128), (128, 192), (192, 256)]
-    o = src[O.format(0)]
+    o = src[O_PROJ.format(0)]
     assert box(o, 1) == ((0, 128), (128, 256)) and box(o, 2) == ((128, 256), (0, 128))
     norm = src["model.norm.weight"]
     assert box(norm, 1) == ((0, 128),) and box(norm, 2) == ((128, 256),)
@@ -110,7 +110,8 @@ def test_whole_model_bit_exact(train, infer, devices):
     src = presets.train_layouts(TINY, train, range(8))
     dst = presets.infer_layouts(TINY, infer, devices)
     p = jreshard.plan(src, dst)
-    for name in (Q.format(0), O.format(3), "lm_head.weight", "model.norm.weight", "model.layers.2.mlp.down_proj.weight"):
+    for name in (Q.format(0), O_PROJ.format(3), "lm_head.weight", "model.norm.weight",
+                 "model.layers.2.mlp.down_proj.weight"):
         assert_plan_ok(p[name])
     s = p.stats()
     assert s.network_bytes == s.lower_bound_bytes
@@ -235,7 +236,7 @@ def test_many_layers_balance_over_replicas():
     src = presets.train_layouts(infos, TrainParallel(tp=2, dp=4), range(8))
     dst = presets.infer_layouts(infos, InferParallel(tp=2, dp=4), range(8, 16))
     p = jreshard.plan(src, dst)
-    for name in (Q.format(0), Q.format(79), O.format(40), "model.layers.7.input_layernorm.weight"):
+    for name in (Q.format(0), Q.format(79), O_PROJ.format(40), "model.layers.7.input_layernorm.weight"):
         assert_plan_ok(p[name])
     s = p.stats()
     assert s.network_bytes == s.lower_bound_bytes and s.send_imbalance < 1.05

@@ -11,6 +11,7 @@ import json
 import os
 import time
 from importlib import resources
+from typing import cast
 
 import numpy as np
 
@@ -63,7 +64,8 @@ def main() -> int:
     from jreshard.core import reference
 
     if len(jax.devices()) < 8:
-        print(f"the demo needs 8 devices; jax has {len(jax.devices())} (was jax imported before the demo set XLA_FLAGS?)")
+        print(f"the demo needs 8 devices; jax has {len(jax.devices())} "
+              "(was jax imported before the demo set XLA_FLAGS?)")
         return 1
     devices = np.array(jax.devices()[:8])
     train = jax.sharding.Mesh(devices[:4], ("fsdp",))
@@ -77,7 +79,7 @@ def main() -> int:
           f"(jreshard.transfer on {len(jax.devices())} simulated {jax.devices()[0].platform.upper()} devices)\n")
 
     t0 = time.perf_counter()
-    p = jreshard.plan(params, target)
+    p = cast(jreshard.Plan, jreshard.plan(params, target))  # a dict of arrays plans to a pytree Plan
     t1 = time.perf_counter()
     print(p)
     print(f"\nplanned {len(p)} tensors in {1e3 * (t1 - t0):.1f} ms\n")
@@ -100,7 +102,9 @@ def main() -> int:
     s = p.stats()
     print(f"\ntransferred {total / 2**20:.1f} MiB of weights in {1e3 * min(times):.1f} ms "
           f"(best of {len(times)}; the first call took longer: it builds the schedule)")
-    print(f"network bytes {s.network_bytes:,} = lower bound {s.lower_bound_bytes:,}: {s.network_bytes == s.lower_bound_bytes}")
+    print(f"network bytes {s.network_bytes:,} = lower bound {s.lower_bound_bytes:,}: "
+          f"{s.network_bytes == s.lower_bound_bytes}")
     print(f"gather-then-broadcast would move {s.naive_bytes:,} bytes ({s.naive_bytes / max(s.network_bytes, 1):.1f}x)")
-    print(f"every destination shard has its target sharding and equals the NumPy reference executor's; bit-exact: {exact}")
+    print("every destination shard has its target sharding and equals the NumPy reference executor's; "
+          f"bit-exact: {exact}")
     return 0 if exact else 1

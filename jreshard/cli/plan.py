@@ -8,10 +8,10 @@ import json
 import sys
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
+from jreshard.core.planner import Plan, PlanStats, clear_cache, plan
 from jreshard.fleet import catalog, cost
-from jreshard.core.planner import PlanStats, clear_cache, plan
 from jreshard.fleet.presets import parse_degrees
 from jreshard.fleet.scenario import Scenario, ScenarioError, load_scenario
 
@@ -119,7 +119,7 @@ def plan_report(s: Scenario, *, experts: str = "separate", hierarchical: str = "
         with steps.step("plan (cold)"):
             clear_cache()
             t0 = time.perf_counter()
-            p = plan(src, dst)
+            p = cast(Plan, plan(src, dst))  # a dict of layouts plans to a whole-model Plan
             cold = time.perf_counter() - t0
         with steps.step("plan (warm)"):
             t0 = time.perf_counter()
@@ -199,15 +199,17 @@ def format_report(r: dict[str, Any]) -> str:
     """The report as the table ``jreshard plan`` prints."""
     pub = {k: v for k, v in r["published"].items() if isinstance(v, (int, float))}
     pred = r["predictions"]
+    imbalance = r["max_send_bytes"] / r["mean_send_bytes"] if r["mean_send_bytes"] else 1.0
     between = "between devices, network and NVLink"
     rows = [
         ("scenario", f"{r['scenario']} ({r['model']}, {r['tensors']:,} tensors, "
                      f"{r['train_gpus']} -> {r['infer_gpus']} devices)"),
         ("bytes moved (direct)", f"{_gb(r['bytes_moved'])} {between}"),
-        ("lower bound", _gb(r["lower_bound_bytes"]) + ("  (met)" if r["bytes_moved"] == r["lower_bound_bytes"] else "")),
+        ("lower bound", _gb(r["lower_bound_bytes"]) + ("  (met)" if r["bytes_moved"] == r["lower_bound_bytes"]
+                                                       else "")),
         ("gather-then-broadcast", f"{_gb(r['naive_bytes'])} {between}"),
         ("per sender (direct)", f"max {_gb(r['max_send_bytes'])}, mean {_gb(r['mean_send_bytes'])} "
-                                f"(imbalance {r['max_send_bytes'] / r['mean_send_bytes'] if r['mean_send_bytes'] else 1:.3f}; "
+                                f"(imbalance {imbalance:.3f}; "
                                 f"no plan does better than {_gb(r['sender_load_bound_bytes'])})"),
         ("per receiver (direct)", f"max {_gb(r['max_recv_bytes'])}, mean {_gb(r['mean_recv_bytes'])}"),
         ("messages (direct)", f"{r['messages']:,} sender->receiver pairs"),

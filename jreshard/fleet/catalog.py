@@ -142,7 +142,8 @@ def load_config(config: Any, name: str | None = None) -> ModelConfig:
         )
     missing = [k for k in _REQUIRED[arch] if k not in config]
     if missing:
-        raise ValueError(f"config for architecture {arch!r} lacks field(s) {missing}; add them from the model's config.json.")
+        raise ValueError(f"config for architecture {arch!r} lacks field(s) {missing}; "
+                         "add them from the model's config.json.")
     for k in _REQUIRED[arch]:
         v = config[k]
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:

@@ -122,6 +122,8 @@ def compare(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology
     hier = None
     if hierarchical != "never" and has_domain_replicas(dst, topo):
         hier = predict_two_stage(hierarchical_plan(src, dst, topo, progress=progress), topo)
-    use_hier = hier is not None and (hierarchical == "always" or hier.seconds < direct.seconds)
-    return Comparison(hier if use_hier else direct, "hierarchical" if use_hier else "direct", direct, hier,
-                      gather_broadcast(src, dst, topo), flat_direct(src, dst, topo))
+    if hier is not None and (hierarchical == "always" or hier.seconds < direct.seconds):
+        chosen, delivery = hier, "hierarchical"
+    else:
+        chosen, delivery = direct, "direct"
+    return Comparison(chosen, delivery, direct, hier, gather_broadcast(src, dst, topo), flat_direct(src, dst, topo))

@@ -70,15 +70,15 @@ def load_hardware(spec: str | os.PathLike | Mapping | Hardware) -> Hardware:
         data = dict(spec)
     else:
         raise TypeError(f"hardware must be a name, a path or a mapping, got {type(spec).__name__}.")
-    values = {}
+    values: dict[str, Any] = {}
     for key, kind in _HW_FIELDS.items():
         if key not in data:
             raise ValueError(f"{where}: field {key!r} is missing; give it as a number.")
         v = data[key]
-        if isinstance(v, bool) or not isinstance(v, numbers.Real) or v < 0 or (kind is int and (v != int(v) or v < 1)):
-            raise ValueError(f"{where}: field {key!r} must be a {'positive int' if kind is int else 'non-negative number'}, "
-                             f"got {v!r}.")
-        values[key] = kind(v)
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or v < 0 or (kind is int and (v % 1 or v < 1)):
+            want = "positive int" if kind is int else "non-negative number"
+            raise ValueError(f"{where}: field {key!r} must be a {want}, got {v!r}.")
+        values[key] = int(float(v)) if kind is int else float(v)
     return Hardware(str(data.get("name", "custom")), values["gpus_per_domain"], values["nvlink_GBps_per_direction"],
                     values["network_GBps_per_gpu_per_direction"], values["latency_us"])
 
@@ -94,7 +94,8 @@ class Topology:
     bucket_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
-        if isinstance(self.gpus_per_domain, bool) or not isinstance(self.gpus_per_domain, int) or self.gpus_per_domain < 1:
+        gpd = self.gpus_per_domain
+        if isinstance(gpd, bool) or not isinstance(gpd, int) or gpd < 1:
             raise ValueError(f"gpus_per_domain must be a positive int, got {self.gpus_per_domain!r}.")
         for name in ("nvlink_GBps", "network_GBps"):
             if not getattr(self, name) > 0:

@@ -271,23 +271,24 @@ def check_degrees(infos: Sequence[TensorInfo], par: TrainParallel | InferParalle
     """
     if not isinstance(par, (TrainParallel, InferParallel)):
         raise TypeError(f"par must be a TrainParallel or an InferParallel, got {type(par).__name__}.")
-    train = isinstance(par, TrainParallel)
+    expert_tp = par.expert_tp if isinstance(par, TrainParallel) else None
     seen: set[tuple] = set()
     for t in infos:
         key = (t.role, t.shape, t.heads, t.replicate_heads, t.stacked, t.is_expert)
         if key in seen:
             continue
         seen.add(key)
-        if t.is_expert and train:
-            _check_split(t, "expert_tp", par.expert_tp, False)
+        if t.is_expert and expert_tp is not None:
+            _check_split(t, "expert_tp", expert_tp, False)
         elif not (t.is_expert and par.ep > 1):
-            _check_split(t, "tp", par.tp, not train)
+            _check_split(t, "tp", par.tp, expert_tp is None)
     n_exp = _num_experts(infos)
     if par.ep > 1 and not n_exp:
         raise ValueError(f"ep={par.ep} but the model has no routed experts; use ep=1.")
     if n_exp % par.ep:
-        raise ValueError(f"ep={par.ep} does not divide the model's {n_exp} routed experts; make ep a divisor of {n_exp}.")
-    if train:
+        raise ValueError(f"ep={par.ep} does not divide the model's {n_exp} routed experts; "
+                         f"make ep a divisor of {n_exp}.")
+    if isinstance(par, TrainParallel):
         n_layers = max((t.layer for t in infos if t.layer is not None), default=-1) + 1
         stage_of_layers(n_layers, par.pp)
 
@@ -368,10 +369,10 @@ def infer_layouts(infos: Sequence[TensorInfo], par: InferParallel, devices: Iter
     for t in infos:
         dt = dtype or t.dtype
         if t.is_expert and par.ep > 1:
-            if t.stacked:
-                out[t.name] = Layout(t.shape, ep_mesh, ("ep",), dt)
-            else:
+            if t.expert is not None:
                 out[t.name] = Layout(t.shape, owner_mesh[_expert_owner(t.expert, n_exp, par.ep)], (), dt)
+            else:
+                out[t.name] = Layout(t.shape, ep_mesh, ("ep",), dt)
         elif t.stacked:
             out[t.name] = Layout(t.shape, mesh, (None, tp, None) if t.role == "column" else (None, None, tp), dt)
         else:

@@ -34,8 +34,8 @@ from collections.abc import Mapping
 from importlib import resources
 from typing import Any
 
-from jreshard.fleet import catalog, cost
 from jreshard.core.layout import Layout, canonical_dtype
+from jreshard.fleet import catalog, cost
 from jreshard.fleet.presets import InferParallel, TrainParallel, check_degrees, infer_layouts, train_layouts
 
 __all__ = ["Scenario", "load_scenario", "scenario_names", "ScenarioError"]
@@ -156,7 +156,8 @@ def load_scenario(spec: str | os.PathLike | Mapping, *, name: str | None = None)
                 text = f.read()
             where = f"scenario file {path!r}"
         else:
-            raise ScenarioError(f"scenario {path!r} is neither a built-in name {scenario_names()} nor an existing file.")
+            raise ScenarioError(f"scenario {path!r} is neither a built-in name {scenario_names()} "
+                                "nor an existing file.")
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:

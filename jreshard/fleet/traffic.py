@@ -119,7 +119,8 @@ def predict(traffic: Traffic, topo: Topology) -> Prediction:
     per_device = busiest + topo.latency_us * 1e-6 * np.maximum(traffic.msg_out, traffic.msg_in)
     d = int(np.argmax(per_device))
     link = list(links)[int(np.argmax(stack[:, d]))]
-    return Prediction(float(per_device[d]), f"device {d} {link}", int(traffic.net_out.sum()), int(traffic.nvl_out.sum()),
+    return Prediction(float(per_device[d]), f"device {d} {link}", int(traffic.net_out.sum()),
+                      int(traffic.nvl_out.sum()),
                       int(traffic.net_in.max()), int(traffic.net_out.max()))
 
 
