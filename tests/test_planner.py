@@ -1,4 +1,4 @@
-"""The planner: named cases, a seeded sweep against the NumPy oracle, balance, errors."""
+"""The planner: named cases against the oracle (the sweep is in test_sweep.py), balance, errors."""
 
 from __future__ import annotations
 
@@ -6,11 +6,10 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
 
 import jreshard
 from jreshard import Layout, Mesh, Move, plan
-from tests._oracle import assert_exact, assert_plan_ok, expected_lower_bound
+from tests.helpers import assert_plan_ok
 
 
 def mesh(shape, names, first=0):
@@ -181,62 +180,6 @@ PLAN_ERRORS = [
 def test_plan_bad_input(name, fn, exc, pattern):
     with pytest.raises(exc, match=pattern):
         fn()
-
-
-# --------------------------------------------------------------------------- systematic sweep
-
-AXIS_NAMES = ("a", "b", "c", "d")
-
-
-@st.composite
-def layouts(draw, first_device: int, shape: tuple[int, ...]):
-    """A random mesh (up to 4 axes, up to 16 devices, shuffled ids) and spec for `shape`."""
-    ndim = draw(st.integers(1, 4))
-    sizes = []
-    for _ in range(ndim):
-        left = 16 // max(1, math.prod(sizes))
-        sizes.append(draw(st.integers(1, max(1, min(4, left)))))
-    n = math.prod(sizes)
-    ids = draw(st.permutations(range(first_device, first_device + n)))
-    names = AXIS_NAMES[:ndim]
-    m = Mesh(np.array(ids).reshape(sizes), names)
-    free = list(draw(st.permutations(names)))
-    spec = []
-    for _ in range(len(shape)):
-        k = draw(st.integers(0, min(2, len(free))))
-        spec.append(tuple(free[:k]) if k != 1 else free[0])
-        free = free[k:]
-    while spec and draw(st.booleans()) and spec[-1] == ():
-        spec.pop()
-    return Layout(shape, m, tuple(s if s != () else None for s in spec))
-
-
-@st.composite
-def layout_pairs(draw):
-    rank = draw(st.integers(0, 3))
-    shape = tuple(draw(st.integers(0, 9)) for _ in range(rank))
-    overlap = draw(st.sampled_from(["disjoint", "overlap", "same"]))
-    src = draw(layouts(0, shape))
-    first = {"disjoint": 16, "overlap": draw(st.integers(0, 8)), "same": 0}[overlap]
-    dst = draw(layouts(first, shape))
-    return src, dst
-
-
-@given(layout_pairs())
-def test_sweep_against_numpy_oracle(pair):
-    src, dst = pair
-    tp = plan(src, dst)
-    assert_plan_ok(tp)
-
-
-@given(st.lists(layout_pairs(), min_size=1, max_size=5))
-def test_sweep_pytrees_balance_and_bound(pairs):
-    p = plan([s for s, _ in pairs], [d for _, d in pairs])
-    s = p.stats()
-    assert s.network_bytes == s.lower_bound_bytes == sum(expected_lower_bound(a, b, 1) for a, b in pairs)
-    for tp in p.tensors.values():
-        tp.check()
-        assert_exact(tp)
 
 
 def test_pytree_plan_table_lists_moves_per_tensor():

@@ -10,7 +10,7 @@ import pytest
 import jreshard
 from jreshard import catalog, presets
 from jreshard.fleet.presets import InferParallel, TrainParallel
-from tests._oracle import assert_plan_ok
+from tests.helpers import assert_plan_ok
 
 TINY = catalog.tensors("llama-tiny")
 Q = "model.layers.{}.self_attn.q_proj.weight"
