@@ -57,8 +57,7 @@ def _simulate_cpu_devices(n: int) -> None:
 def main() -> int:
     _simulate_cpu_devices(8)
     import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
     import jreshard
     from jreshard.core import reference
