@@ -14,7 +14,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LlamaConfig", "param_shapes", "fsdp_spec"]
+__all__ = ["LlamaConfig", "MoeConfig", "param_shapes", "fsdp_spec"]
 
 _INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                "num_attention_heads", "num_key_value_heads", "head_dim")
@@ -103,6 +103,73 @@ class LlamaConfig:
         }
 
 
+_MOE_INT_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MoeConfig(LlamaConfig):
+    """A Qwen3-MoE-style model: Llama attention, and a routed mixture of experts as the MLP.
+
+    Every ``decoder_sparse_step``-th layer routes each token to its ``num_experts_per_tok``
+    most probable experts (softmax over the router's logits, then top-k, renormalised
+    when ``norm_topk_prob``); the other layers keep a dense MLP of ``intermediate_size``.
+    Expert weights are stacked along a leading expert dim, as JAX trainers keep them.
+    ``shared_expert_intermediate_size > 0`` adds a dense expert that every token uses
+    (DeepSeek-V3's shared expert; Qwen3-MoE has none).
+
+    Example:
+      >>> cfg = MoeConfig.load("qwen3-moe-tiny")
+      >>> cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+      (8, 2, 64)
+      >>> cfg.is_sparse(0)
+      True
+    """
+
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    shared_expert_intermediate_size: int = 0
+
+    def __post_init__(self) -> None:
+        LlamaConfig.__post_init__(self)
+        for f in (*_MOE_INT_FIELDS, "decoder_sparse_step"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0:
+                raise ValueError(f"MoeConfig.{f} must be a positive int, got {v!r}.")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"MoeConfig.num_experts_per_tok={self.num_experts_per_tok} exceeds "
+                             f"num_experts={self.num_experts}; route to at most every expert.")
+        v = self.shared_expert_intermediate_size
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+            raise ValueError(f"MoeConfig.shared_expert_intermediate_size must be an int >= 0 (0: none), got {v!r}.")
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether ``layer`` routes to experts (else it has a dense MLP), as Qwen3-MoE decides."""
+        return (layer + 1) % self.decoder_sparse_step == 0
+
+    def hf_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``transformers.Qwen3MoeConfig`` with the same shapes (no shared expert)."""
+        if self.shared_expert_intermediate_size:
+            raise ValueError("transformers' Qwen3-MoE has no shared expert; set shared_expert_intermediate_size=0.")
+        return {
+            **LlamaConfig.hf_kwargs(self),
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "norm_topk_prob": self.norm_topk_prob,
+            "decoder_sparse_step": self.decoder_sparse_step,
+            "mlp_only_layers": [],
+            "output_router_logits": False,
+        }
+
+
+def _mlp_shapes(prefix: str, hidden: int, inner: int) -> dict[str, tuple[int, ...]]:
+    return {f"{prefix}/gate_proj/kernel": (hidden, inner), f"{prefix}/up_proj/kernel": (hidden, inner),
+            f"{prefix}/down_proj/kernel": (inner, hidden)}
+
+
 def param_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter's leaf path and shape, in the flax model's tree order.
 
@@ -125,9 +192,16 @@ def param_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
             out[f"{p}/attn/q_norm/scale"] = (c.head_dim,)
             out[f"{p}/attn/k_norm/scale"] = (c.head_dim,)
         out[f"{p}/post_attention_norm/scale"] = (h,)
-        out[f"{p}/mlp/gate_proj/kernel"] = (h, c.intermediate_size)
-        out[f"{p}/mlp/up_proj/kernel"] = (h, c.intermediate_size)
-        out[f"{p}/mlp/down_proj/kernel"] = (c.intermediate_size, h)
+        if isinstance(c, MoeConfig) and c.is_sparse(i):
+            e, m = c.num_experts, c.moe_intermediate_size
+            out[f"{p}/mlp/router/kernel"] = (h, e)
+            out[f"{p}/mlp/experts/gate_proj"] = (e, h, m)
+            out[f"{p}/mlp/experts/up_proj"] = (e, h, m)
+            out[f"{p}/mlp/experts/down_proj"] = (e, m, h)
+            if c.shared_expert_intermediate_size:
+                out.update(_mlp_shapes(f"{p}/mlp/shared_expert", h, c.shared_expert_intermediate_size))
+        else:
+            out.update(_mlp_shapes(f"{p}/mlp", h, c.intermediate_size))
     out["final_norm/scale"] = (h,)
     if not c.tie_word_embeddings:
         out["lm_head/kernel"] = (h, c.vocab_size)

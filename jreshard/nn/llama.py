@@ -22,9 +22,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jreshard.nn.config import LlamaConfig
+from jreshard.nn.config import LlamaConfig, MoeConfig
 
-__all__ = ["Llama", "init_params", "logits", "loss", "make_optimizer", "train_step"]
+__all__ = ["Llama", "model", "init_params", "logits", "loss", "make_optimizer", "train_step"]
 
 
 class RMSNorm(nn.Module):
@@ -38,7 +38,8 @@ class RMSNorm(nn.Module):
         return scale.astype(x.dtype) * x32.astype(x.dtype)
 
 
-def _dense(features: int, name: str) -> nn.Dense:
+def dense(features: int, name: str) -> nn.Dense:
+    """A bias-free ``Dense`` (kernel ``[in, out]``), initialised as the models here are."""
     return nn.Dense(features, use_bias=False, kernel_init=nn.initializers.normal(0.02), name=name)
 
 
@@ -61,9 +62,9 @@ class Attention(nn.Module):
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         c = self.config
         b, t, _ = x.shape
-        q = _dense(c.q_size, "q_proj")(x).reshape(b, t, c.num_attention_heads, c.head_dim)
-        k = _dense(c.kv_size, "k_proj")(x).reshape(b, t, c.num_key_value_heads, c.head_dim)
-        v = _dense(c.kv_size, "v_proj")(x).reshape(b, t, c.num_key_value_heads, c.head_dim)
+        q = dense(c.q_size, "q_proj")(x).reshape(b, t, c.num_attention_heads, c.head_dim)
+        k = dense(c.kv_size, "k_proj")(x).reshape(b, t, c.num_key_value_heads, c.head_dim)
+        v = dense(c.kv_size, "v_proj")(x).reshape(b, t, c.num_key_value_heads, c.head_dim)
         if c.qk_norm:
             q = RMSNorm(c.rms_norm_eps, name="q_norm")(q)
             k = RMSNorm(c.rms_norm_eps, name="k_norm")(k)
@@ -75,18 +76,20 @@ class Attention(nn.Module):
         scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
         probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(x.dtype)
         out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, c.q_size)
-        return _dense(c.hidden_size, "o_proj")(out)
+        return dense(c.hidden_size, "o_proj")(out)
 
 
 class Mlp(nn.Module):
+    """SiLU-gated MLP of width ``features`` (the model's ``intermediate_size``, or a shared expert's)."""
+
     config: LlamaConfig
+    features: int
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        c = self.config
-        gate = _dense(c.intermediate_size, "gate_proj")(x)
-        up = _dense(c.intermediate_size, "up_proj")(x)
-        return _dense(c.hidden_size, "down_proj")(nn.silu(gate) * up)
+        gate = dense(self.features, "gate_proj")(x)
+        up = dense(self.features, "up_proj")(x)
+        return dense(self.config.hidden_size, "down_proj")(nn.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -96,7 +99,7 @@ class Block(nn.Module):
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         c = self.config
         x = x + Attention(c, name="attn")(RMSNorm(c.rms_norm_eps, name="input_norm")(x), positions)
-        return x + Mlp(c, name="mlp")(RMSNorm(c.rms_norm_eps, name="post_attention_norm")(x))
+        return x + Mlp(c, c.intermediate_size, name="mlp")(RMSNorm(c.rms_norm_eps, name="post_attention_norm")(x))
 
 
 class Llama(nn.Module):
@@ -115,18 +118,29 @@ class Llama(nn.Module):
         x = RMSNorm(c.rms_norm_eps, name="final_norm")(x)
         if c.tie_word_embeddings:
             return embed.attend(x)
-        return _dense(c.vocab_size, "lm_head")(x)
+        return dense(c.vocab_size, "lm_head")(x)
+
+
+def model(config: LlamaConfig) -> nn.Module:
+    """The flax module for ``config``: ``Llama``, or ``jreshard.nn.moe.Moe`` for a ``MoeConfig``."""
+    if isinstance(config, MoeConfig):
+        from jreshard.nn.moe import Moe
+
+        return Moe(config)
+    if not isinstance(config, LlamaConfig):
+        raise TypeError(f"config must be a jreshard.nn.LlamaConfig or MoeConfig, got {type(config).__name__}.")
+    return Llama(config)
 
 
 def init_params(config: LlamaConfig, key: jax.Array) -> dict[str, Any]:
     """Fresh float32 parameters (the ``params`` collection), leaf paths as in ``param_shapes``."""
     tokens = jnp.zeros((1, 2), jnp.int32)
-    return Llama(config).init(key, tokens)["params"]
+    return model(config).init(key, tokens)["params"]
 
 
 def logits(config: LlamaConfig, params: Any, tokens: jax.Array) -> jax.Array:
     """Next-token logits ``[batch, seq, vocab]`` for integer ``tokens`` ``[batch, seq]``."""
-    return Llama(config).apply({"params": params}, tokens)
+    return model(config).apply({"params": params}, tokens)
 
 
 def loss(config: LlamaConfig, params: Any, tokens: jax.Array) -> jax.Array:
