@@ -79,12 +79,13 @@ def test_shared_expert_adds_a_dense_mlp_to_the_routed_experts():
     zeroed = jax.tree_util.tree_map_with_path(
         lambda path, v: jnp.zeros_like(v) if "shared_expert" in jax.tree_util.keystr(path) else v, params)
     without = _config(num_hidden_layers=1)
-    routed_only = {k: v for k, v in params.items()}
+    routed_only = dict(params)
     routed_only["layers_0"] = dict(params["layers_0"])
     routed_only["layers_0"]["mlp"] = {k: v for k, v in params["layers_0"]["mlp"].items() if k != "shared_expert"}
+    routed = np.asarray(logits(without, routed_only, tokens))
     # A zero shared expert changes nothing; a trained one changes the logits.
-    np.testing.assert_array_equal(np.asarray(logits(cfg, zeroed, tokens)), np.asarray(logits(without, routed_only, tokens)))
-    assert not np.allclose(np.asarray(logits(cfg, params, tokens)), np.asarray(logits(without, routed_only, tokens)))
+    np.testing.assert_array_equal(np.asarray(logits(cfg, zeroed, tokens)), routed)
+    assert not np.allclose(np.asarray(logits(cfg, params, tokens)), routed)
     with pytest.raises(ValueError, match="no shared expert"):
         cfg.hf_kwargs()
 
