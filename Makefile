@@ -31,4 +31,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/plan_bench.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache .import_linter_cache

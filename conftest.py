@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 # Must happen before jax is first imported anywhere in the test session; this file sits at the
 # root so that `pytest jreshard/...` (doctests alone) gets the same devices as `pytest tests/...`.
@@ -12,6 +13,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MPLBACKEND", "Agg")
 
+import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 # Sweeps are seeded with a fixed number of examples; JRESHARD_HYPOTHESIS_PROFILE=thorough runs
@@ -19,3 +21,19 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("ci", max_examples=200, deadline=None, derandomize=True)
 settings.register_profile("thorough", max_examples=3000, deadline=None)
 settings.load_profile(os.environ.get("JRESHARD_HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(autouse=True)
+def _doctests_without_module_globals(request: pytest.FixtureRequest) -> None:
+    """Docstring examples run with empty globals, so each one imports what it uses."""
+    test = getattr(request.node, "dtest", None)
+    if test is not None:
+        test.globs.clear()
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    # An alias module (`jreshard.cost` is `jreshard.fleet.cost`) puts its target in sys.modules;
+    # the target's examples are collected under the target's own path.
+    if collection_path.suffix == ".py" and "sys.modules[__name__] = " in collection_path.read_text():
+        return True
+    return None

@@ -1,4 +1,7 @@
-"""Package-level promises: the core imports without jax/torch, docstring examples run."""
+"""Package-level promises: the core imports without jax/torch, the README examples run.
+
+The library's docstring examples are collected by pytest itself (``--doctest-modules``).
+"""
 
 from __future__ import annotations
 
@@ -39,14 +42,6 @@ def test_core_imports_and_plans_without_jax_or_torch():
     assert out.stdout.strip().endswith("ok")
 
 
-@pytest.mark.parametrize("module", ["jreshard.core.mesh", "jreshard.core.layout", "jreshard.core.planner"])
-def test_docstring_examples(module):
-    mod = __import__(module, fromlist=["_"])
-    result = doctest.testmod(mod, optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
-    assert result.attempted > 0
-    assert result.failed == 0
-
-
 def test_public_api_table():
     for name in jreshard.__all__:
         assert hasattr(jreshard, name), name
@@ -64,7 +59,8 @@ def test_readme_examples():
     from pathlib import Path
 
     readme = Path(__file__).resolve().parents[1] / "README.md"
-    result = doctest.testfile(str(readme), module_relative=False, optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
+    flags = doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS
+    result = doctest.testfile(str(readme), module_relative=False, optionflags=flags)
     assert result.attempted > 0
     assert result.failed == 0
 
