@@ -142,8 +142,7 @@ def worker(args) -> None:
 
     if rank in TRAINERS:
         import jax
-        from jax.sharding import NamedSharding
-        from jax.sharding import PartitionSpec as P
+        from jax.sharding import NamedSharding, PartitionSpec as P
 
         from bridge.sender import Sender
         from jreshard.nn import fsdp_spec

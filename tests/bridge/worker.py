@@ -81,8 +81,7 @@ def plans(config, **kw) -> dict[str, bridge.BridgePlan]:
 # --------------------------------------------------------------------------- trainers
 def trainer(rank: int, args) -> None:
     import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
     from bridge.sender import Sender, describe
     from jreshard import nn as jnn

@@ -51,8 +51,7 @@ def test_dlpack_is_zero_copy_on_gpu(dtype):
 def measure(jax, torch, device, *, layers: int = 4, hidden: int = 2048, reps: int = 5) -> dict[str, float]:
     """Pack and unpack throughput of one trainer device -> one inference rank (TP1, bfloat16) on ``device``."""
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
     import bridge
     from bridge.sender import Sender, describe
