@@ -83,7 +83,7 @@ class ParamMap:
     """Every rank's params; both sides of a sync build the same one.
 
     Example:
-      >>> from bridge import Rule, tp_param_map, trainer_mesh
+      >>> from bridge import Rule, Source, tp_param_map, trainer_mesh
       >>> from jreshard import Layout
       >>> src = Source({"w": Layout((4, 6), trainer_mesh((2,), "fsdp", [0], 2), ("fsdp",), "float32")})
       >>> m = tp_param_map(src, [Rule("w", "linear.weight", transpose=True, shard=0)], tp_ranks=[1, 2])

@@ -127,7 +127,7 @@ class BridgePlan:
         dtype cannot travel on the wire, or ``bucket_bytes`` is below ``ALIGN``.
 
     Example:
-      >>> from bridge import Source, Rule, tp_param_map, trainer_mesh
+      >>> from bridge import BridgePlan, Rule, Source, tp_param_map, trainer_mesh
       >>> from jreshard import Layout
       >>> src = Source({"w": Layout((4, 6), trainer_mesh((2,), "fsdp", [0], 2), ("fsdp",), "float32")})
       >>> m = tp_param_map(src, [Rule("w", "linear.weight", transpose=True, shard=0)], tp_ranks=[1, 2])

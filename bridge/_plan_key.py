@@ -64,6 +64,7 @@ def describe_difference(a: dict[str, Any], b: dict[str, Any]) -> str:
     """A short account of what differs between two ``plan_key`` results (``a`` against ``b``).
 
     Example:
+      >>> from bridge._plan_key import describe_difference
       >>> a = {"leaves": {}, "params": {"w on rank 2": {"shape": [4], "dtype": "bfloat16", "regions": "x"}},
       ...      "bucket_bytes": 64, "balance": True, "moves": 1}
       >>> b = {**a, "params": {"w on rank 2": {"shape": [4], "dtype": "float32", "regions": "x"}}}

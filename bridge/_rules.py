@@ -258,7 +258,7 @@ def dtensor_params(name: str, source: Source, leaf: str, mesh_ranks: Any, placem
       transpose: as in ``Rule``; the DTensor's global shape is the permuted leaf shape.
 
     Example:
-      >>> from bridge import trainer_mesh
+      >>> from bridge import Source, dtensor_params, trainer_mesh
       >>> from jreshard import Layout
       >>> src = Source({"w": Layout((5, 3), trainer_mesh((2,), "x", [0], 2), ("x",), "float32")})
       >>> m = dtensor_params("w", src, "w", [[4, 5], [6, 7]], [("shard", 1), "replicate"], transpose=True)

@@ -31,6 +31,7 @@ def source_id(rank: int, local: int) -> int:
     """The planner id of JAX device ``local`` of the trainer process with torch rank ``rank``.
 
     Example:
+      >>> from bridge import source_id, split_source_id
       >>> source_id(1, 1), split_source_id(1001001)
       (1001001, (1, 1))
     """
@@ -58,6 +59,7 @@ def trainer_mesh(shape: Sequence[int], axis_names: Any, ranks: Sequence[int], de
       devices_per_rank: JAX devices per trainer process.
 
     Example:
+      >>> from bridge import trainer_mesh
       >>> trainer_mesh((4,), "fsdp", ranks=[0, 1], devices_per_rank=2)
       Mesh(fsdp=4; devices [1000000, 1000001, 1001000, 1001001])
     """
@@ -78,6 +80,8 @@ class Source:
       leaves: ``{path: Layout}``; every mesh device must be a source id.
 
     Example:
+      >>> from bridge import Source, trainer_mesh
+      >>> from jreshard import Layout
       >>> mesh = trainer_mesh((2,), "fsdp", ranks=[0], devices_per_rank=2)
       >>> src = Source({"w": Layout((4, 2), mesh, ("fsdp",), "float32")})
       >>> src.ranks, src.layout("w").shard_box(1000001)
@@ -110,6 +114,7 @@ class Source:
         """One Layout per leaf from shapes, a mesh and a spec (a ``{path: spec}`` or ``f(path, shape)``).
 
         Example:
+          >>> from bridge import Source, trainer_mesh
           >>> from jreshard.nn import LlamaConfig, param_shapes, fsdp_spec
           >>> mesh = trainer_mesh((4,), "fsdp", ranks=[0, 1], devices_per_rank=2)
           >>> src = Source.build(param_shapes(LlamaConfig.load("llama-tiny")), mesh, fsdp_spec)

@@ -58,7 +58,7 @@ def llama_param_map(config: LlamaConfig, source: Source, tp_ranks: Any, *, fused
 
     Example:
       >>> from jreshard.nn import LlamaConfig, param_shapes, fsdp_spec
-      >>> from bridge import Source, trainer_mesh
+      >>> from bridge import Source, llama_param_map, trainer_mesh
       >>> cfg = LlamaConfig.load("llama-tiny", vocab_size=1000)
       >>> src = Source.build(param_shapes(cfg), trainer_mesh((4,), "fsdp", [0, 1], 2), fsdp_spec)
       >>> m = llama_param_map(cfg, src, tp_ranks=[2, 3], fused=True)
