@@ -222,7 +222,7 @@ def worker(rank: int, port: int, reps: int, target_bytes: int) -> None:
     params, target = {}, {}
     for name, shape in shapes.items():
         sh = NamedSharding(train, P("fsdp") if len(shape) > 1 else P())
-        params[name] = jax.jit(lambda: jnp.ones(shape, jnp.bfloat16), out_shardings=sh)()
+        params[name] = jax.jit(lambda shape=shape: jnp.ones(shape, jnp.bfloat16), out_shardings=sh)()
         target[name] = NamedSharding(serve, tp_spec(name, len(shape)) if len(shape) > 1 else P())
     plan = jreshard.plan(params, target)
     moved = plan.stats().network_bytes
@@ -275,7 +275,8 @@ def run_multiprocess(reps: int, target_bytes: int) -> None:
                           ("raw ppermute, same bytes", r["raw"], r["runs_raw"])):
         print(f"  {name:<34} median {t * 1e3:8.1f} ms  ({r['moved'] / t / GiB:5.2f} GiB/s)  "
               f"runs {', '.join(f'{x * 1e3:.0f}' for x in runs)}")
-    print(f"  ratio, case (c): transfer rate / raw ppermute rate = {r['raw'] / r['transfer']:.2f}; bit-exact: {r['ok']}")
+    print(f"  ratio, case (c): transfer rate / raw ppermute rate = {r['raw'] / r['transfer']:.2f}; "
+          f"bit-exact: {r['ok']}")
 
 
 def main() -> None:

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jreshard
 from jreshard import Layout, Mesh
-from jreshard.jax_executor.adapter import parse, path_name
+from jreshard.jax_executor.adapter import leaf_name, parse, plan_from_jax
 
 DEVICES = np.array(jax.devices())
 TRAIN = jax.sharding.Mesh(DEVICES[:4], ("fsdp",))
@@ -28,8 +29,9 @@ def test_plan_of_shape_dtype_structs_equals_the_plan_of_layouts():
     target = {"w": NamedSharding(SERVE, P(None, "tp")), "b": NamedSharding(SERVE, P("tp"))}
     p = jreshard.plan(params, target)
     train, serve = Mesh([0, 1, 2, 3], ("fsdp",)), Mesh([[4, 5], [6, 7]], ("dp", "tp"))
-    by_hand = jreshard.plan({"w": Layout((8, 4), train, ("fsdp",), "bfloat16"), "b": Layout((4,), train, (), "float32")},
-                            {"w": Layout((8, 4), serve, (None, "tp"), "bfloat16"), "b": Layout((4,), serve, ("tp",), "float32")})
+    by_hand = jreshard.plan(
+        {"w": Layout((8, 4), train, ("fsdp",), "bfloat16"), "b": Layout((4,), train, (), "float32")},
+        {"w": Layout((8, 4), serve, (None, "tp"), "bfloat16"), "b": Layout((4,), serve, ("tp",), "float32")})
     assert list(p.tensors) == ["b", "w"]
     for name in ("w", "b"):
         assert p[name].moves == by_hand[name].moves
@@ -61,9 +63,22 @@ def test_partition_specs_with_mesh_and_path_names():
     assert leaves.dst[0].spec == (None, "tp")
 
 
-def test_path_names_of_attribute_and_index_keys():
-    flat, _ = jax.tree_util.tree_flatten_with_path({"a": (1, [2])})
-    assert [path_name(p) for p, _ in flat] == ["a/0", "a/1/0"]
+def test_leaf_names_of_dict_index_and_attribute_keys():
+    Pair = collections.namedtuple("Pair", ["left", "right"])
+    flat, _ = jax.tree_util.tree_flatten_with_path({"a": (1, [2]), "b": Pair(3, 4)})
+    assert [leaf_name(p) for p, _ in flat] == ["a/0", "a/1/0", "b/left", "b/right"]
+
+
+def test_keys_that_print_alike_keep_their_full_key_paths():
+    params = {"a": [abstract((4,), jnp.float32, NamedSharding(TRAIN, P()))],
+              "a/0": abstract((4,), jnp.float32, NamedSharding(TRAIN, P()))}
+    assert parse(params, NamedSharding(SERVE, P())).names == ("['a'][0]", "['a/0']")
+
+
+def test_planning_tracers_says_to_call_it_outside_jit():
+    x = jax.device_put(np.ones((8,), np.float32), NamedSharding(TRAIN, P()))
+    with pytest.raises(TypeError, match=r"params leaf at 'w' is a tracer: .* must be called outside jax.jit"):
+        jax.jit(lambda a: plan_from_jax({"w": a}, NamedSharding(SERVE, P())).stats().moves)(x)
 
 
 @pytest.mark.parametrize("params,target,kwargs,exc,pattern", [

@@ -6,9 +6,9 @@ canonical form (a flat list of leaves with their path names, source Layouts,
 target shardings, destination Layouts and output dtypes) that the pure planner and
 the executor consume.
 
-Vocabulary: a *leaf* is one array of the user's pytree, its *path* the
-``'layers/0/wq'``-style name the plan uses for it, its *target* the
-``jax.sharding.Sharding`` it must end up with.
+Words as in docs/glossary.md. A leaf's name in a plan is its path as
+``jax.tree_util.keystr(path, simple=True, separator="/")`` prints it
+(``'layers/0/wq'``).
 """
 
 from __future__ import annotations
@@ -21,24 +21,17 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
-from jreshard.core.layout import Layout, canonical_dtype
+from jreshard.core.dtypes import canonical_dtype, numpy_dtype
+from jreshard.core.layout import Layout
 from jreshard.core.mesh import Mesh
 from jreshard.core.planner import Plan, plan_layouts
 
-__all__ = ["Leaves", "parse", "plan_from_jax", "path_name"]
+__all__ = ["Leaves", "parse", "plan_from_jax", "leaf_name", "check_live"]
 
 
-def path_name(path: tuple) -> str:
-    """``'layers/0/wq'`` for a jax key path (dict keys, sequence indices, attributes)."""
-    parts = []
-    for k in path:
-        for attr in ("key", "idx", "name"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return "/".join(parts)
+def leaf_name(path: tuple) -> str:
+    """A leaf's name in a plan: its key path with simple keys joined by ``/`` (``'layers/0/wq'``)."""
+    return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -72,7 +65,7 @@ def _is_dtype_leaf(x: Any) -> bool:
     return not isinstance(x, (dict, list, tuple)) and jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x))
 
 
-def _broadcast(prefix: Any, treedef: Any, names: tuple[str, ...], is_leaf: Any, arg: str, example: str) -> list:
+def _broadcast(prefix: Any, treedef: Any, paths: tuple[tuple, ...], is_leaf: Any, arg: str, example: str) -> list:
     """Expands ``prefix`` (a pytree prefix of params) to one value per leaf of params."""
     if is_leaf(prefix):
         return [prefix] * treedef.num_leaves
@@ -80,19 +73,30 @@ def _broadcast(prefix: Any, treedef: Any, names: tuple[str, ...], is_leaf: Any, 
     try:
         expanded = jax.tree_util.tree_map(
             lambda value, sub: jax.tree_util.tree_map(lambda _: value, sub), prefix, full, is_leaf=is_leaf)
-    except (ValueError, TypeError) as exc:
-        raise ValueError(
-            f"{arg} must be {example} or a pytree prefix of params; its structure "
-            f"{jax.tree_util.tree_structure(prefix, is_leaf=is_leaf)} does not match params "
-            f"{treedef} ({exc}). Give one entry per params subtree."
-        ) from None
+    except (ValueError, TypeError):
+        where = _mismatch(prefix, paths, is_leaf)
+        raise ValueError(f"{arg} must be {example} or a pytree prefix of params: {where}.") from None
     out = jax.tree_util.tree_leaves(expanded, is_leaf=is_leaf)
-    if len(out) != len(names):
+    if len(out) != len(paths):
         raise ValueError(
-            f"{arg} expands to {len(out)} entries but params has {len(names)} leaves; "
+            f"{arg} expands to {len(out)} entries but params has {len(paths)} leaves; "
             f"give {example} or a pytree prefix of params."
         )
     return out
+
+
+def _mismatch(prefix: Any, paths: tuple[tuple, ...], is_leaf: Any) -> str:
+    """Where ``prefix`` fails to be a prefix of the params whose leaves have ``paths``, by path."""
+    entries = [p for p, _ in jax.tree_util.tree_flatten_with_path(prefix, is_leaf=is_leaf)[0]]
+    have = set(entries)
+    for path in paths:
+        if not any(path[:k] in have for k in range(len(path) + 1)):
+            return f"it has no entry for params leaf {leaf_name(path)!r}; add one, or one for a subtree above it"
+    for entry in entries:
+        if not any(path[:len(entry)] == entry for path in paths):
+            return f"its entry at {leaf_name(entry)!r} is not in params; remove it"
+    return (f"its containers differ from params' ({jax.tree_util.tree_structure(prefix, is_leaf=is_leaf)} "
+            f"against {jax.tree_util.tree_structure(tuple(paths))}); give the same container types")
 
 
 @functools.lru_cache(maxsize=256)
@@ -105,15 +109,6 @@ def _layout(shape: tuple[int, ...], sharding: Sharding, dtype: str) -> Layout:
     if isinstance(sharding, NamedSharding):
         return Layout(shape, _mesh_of(sharding.mesh), tuple(sharding.spec), dtype)
     return Layout.from_jax(shape, sharding, dtype)
-
-
-def _np_dtype(name: str) -> np.dtype:
-    try:
-        return np.dtype(name)
-    except TypeError:
-        import ml_dtypes
-
-        return np.dtype(getattr(ml_dtypes, name))
 
 
 def _jax_mesh(mesh: Any) -> jax.sharding.Mesh:
@@ -172,12 +167,18 @@ def parse(params: Any, target: Any, *, mesh: Any = None, dtype: Any = None, need
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     if not flat:
         raise ValueError(f"params is an empty pytree ({treedef}); pass at least one jax.Array.")
-    names = tuple(path_name(p) for p, _ in flat)
-    if len(set(names)) != len(names):
-        names = tuple(jax.tree_util.keystr(p) for p, _ in flat)
+    paths = tuple(p for p, _ in flat)
+    names = tuple(leaf_name(p) for p in paths)
+    if len(set(names)) != len(names):  # keys that print alike ('0' and 0): keep every detail
+        names = tuple(jax.tree_util.keystr(p) for p in paths)
     values = tuple(v for _, v in flat)
     for name, v in zip(names, values, strict=True):
         where = f" at {name!r}" if name else ""
+        if isinstance(v, jax.core.Tracer):
+            raise TypeError(
+                f"params leaf{where} is a tracer: jreshard.transfer and jreshard.plan must be called outside "
+                "jax.jit (and other jax transformations), on concrete arrays; call it between jitted steps."
+            )
         if not _is_jax_leaf(v) or (need_data and not isinstance(v, jax.Array)):
             kinds = "jax.Array" if need_data else "jax.Array or jax.ShapeDtypeStruct with a sharding"
             raise TypeError(
@@ -189,19 +190,17 @@ def parse(params: Any, target: Any, *, mesh: Any = None, dtype: Any = None, need
                 f"params leaf{where} is a ShapeDtypeStruct without a sharding; build it with "
                 "jax.ShapeDtypeStruct(shape, dtype, sharding=...)."
             )
-        if isinstance(v, jax.Array) and v.is_deleted():
-            raise ValueError(
-                f"params leaf{where} has been deleted (donated by an earlier call?); pass live arrays."
-            )
+    check_live(names, values)
     jmesh = _jax_mesh(mesh) if mesh is not None else None
-    targets = _broadcast(target, treedef, names, _is_target_leaf, "target",
+    targets = _broadcast(target, treedef, paths, _is_target_leaf, "target",
                          "a Sharding, a PartitionSpec (with mesh=)")
     shardings = tuple(_target_sharding(n, t, jmesh) for n, t in zip(names, targets, strict=True))
-    dts = _broadcast(dtype, treedef, names, _is_dtype_leaf, "dtype", "a dtype")
+    dts = _broadcast(dtype, treedef, paths, _is_dtype_leaf, "dtype", "a dtype")
     out_dtypes = []
     for name, v, dt in zip(names, values, dts, strict=True):
         where = f" at {name!r}" if name else ""
-        out_dtypes.append(np.dtype(v.dtype) if dt is None else _np_dtype(canonical_dtype(dt, arg=f"dtype{where}")))
+        resolved = None if dt is None else numpy_dtype(dt, arg=f"dtype{where}")
+        out_dtypes.append(np.dtype(v.dtype) if resolved is None else resolved)
     src, dst = [], []
     for name, v, s, dt in zip(names, values, shardings, out_dtypes, strict=True):
         where = f" at {name!r}" if name else ""
@@ -222,6 +221,16 @@ def parse(params: Any, target: Any, *, mesh: Any = None, dtype: Any = None, need
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"target{where} does not fit the array of shape {shape}: {exc}") from None
     return Leaves(treedef, names, values, shardings, tuple(out_dtypes), tuple(src), tuple(dst))
+
+
+def check_live(names: tuple[str, ...], values: tuple[Any, ...]) -> None:
+    """Raises ValueError naming the first deleted array among ``values`` (``names`` in the same order)."""
+    for name, v in zip(names, values, strict=True):
+        if isinstance(v, jax.Array) and v.is_deleted():
+            where = f" at {name!r}" if name else ""
+            raise ValueError(
+                f"params leaf{where} has been deleted (donated by an earlier call?); pass live arrays."
+            )
 
 
 def plan_from_jax(src: Any, dst: Any, *, balance: bool = True, mesh: Any = None, dtype: Any = None) -> Plan:
