@@ -191,7 +191,7 @@ def test_check_degrees_accepts_what_presets_lay_out():
     ("tp=x", "train", {}, ValueError, "cannot read 'tp=x'"),
     ("tp=0", "infer", {}, ValueError, "positive ints"),
     ("tp=2,tp=4", "infer", {}, ValueError, "tp is given twice"),
-    ("pp=2", "infer", {}, ValueError, r"names from \['tp', 'dp', 'ep'\]"),
+    ("pp=2", "infer", {}, ValueError, r"names from \['tp', 'dp', 'ep', 'expert_tp'\]"),
     ("gpus=8", "infer", {}, ValueError, "cannot read 'gpus=8'"),
     ("tp=2", "serve", {}, ValueError, "kind must be 'train' or 'infer'"),
     (4, "train", {}, TypeError, "train degrees must be a string"),

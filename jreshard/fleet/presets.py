@@ -4,24 +4,33 @@ Vocabulary: *tp* tensor parallel, *pp* pipeline parallel (consecutive layers per
 stage), *ep* expert parallel (routed experts split across ranks), *expert_tp*
 tensor parallel inside an expert, *cp* context parallel (weights replicated),
 *dp* data parallel (replicas), *fsdp* data-parallel ranks that shard weights on
-their leading dim.
+their leading dim. The degrees are ``TrainParallel`` and ``InferParallel``
+(``jreshard.fleet.degrees``).
 
 Device order follows the frameworks, tp innermost:
 
 - training (Megatron order ``tp-cp-ep-dp-pp``): pipeline stages are the outermost
   blocks of the device list; inside a stage the dense weights live on a mesh
-  ``(dp, fsdp, cp, tp)`` and the routed experts on ``(edp, ep, expert_tp)``. As
-  in Megatron, ep folds into the data-parallel ranks: a stage of ``S`` devices
-  replicates dense weights over ``S / (tp*cp*fsdp)`` ranks and experts over
-  ``S / (ep*expert_tp)`` ranks.
+  ``(dp, fsdp, cp, tp)`` and the routed experts on ``(edp, ep, fsdp, etp)``
+  (``etp`` is ``expert_tp``). As in Megatron, ep folds into the data-parallel
+  ranks: a stage of ``S`` devices replicates dense weights over
+  ``S / (tp*cp*fsdp)`` ranks and experts over ``S / (ep*fsdp*expert_tp)`` ranks.
 - JAX-style FSDP x TP is the same mesh with ``fsdp > 1``: every tensor's leading
-  dim is sharded over ``fsdp`` (major) and, for tp-split dim 0, over ``tp`` (minor).
+  dim is sharded over ``fsdp`` (major) and, for tp-split dim 0, over ``tp``
+  (minor). A stacked expert tensor ``[E, ...]`` splits its expert dim over
+  ``('ep', 'fsdp')`` and its intermediate dim over ``etp``; one leaf per expert
+  lives on the devices of its ep rank, its leading dim over ``fsdp``.
+  ``nn_layouts`` gives the same rules for the parameter tree of ``jreshard.nn``
+  (flax kernels ``[in, out]``, experts stacked ``[E, H, I]``).
 - inference (vLLM): a mesh ``(dp, tp)``, each dp replica one engine of
-  consecutive ranks; with ``ep > 1`` the experts are split over a ``(edp, ep)``
-  view of the same devices. Attention projections split whole heads
-  (``jreshard.core.heads``); with fewer KV heads than ``tp`` the KV projections
-  live on a ``(dp, tp, tp_replica)`` view, each head on ``tp_replica``
-  consecutive ranks, as vLLM replicates them.
+  consecutive ranks. Routed experts follow ``tp`` (their intermediate dim split:
+  rank ``r`` holds gate rows then up rows ``[r*I/tp, (r+1)*I/tp)``, vLLM's fused
+  ``w13``); with ``ep > 1`` or ``expert_tp > 1`` they live on an
+  ``(edp, ep, etp)`` view of the same devices, linear placement (rank ``r`` of
+  ep holds experts ``[r*E/ep, (r+1)*E/ep)``) and ``etp`` inside each expert.
+  Attention projections split whole heads (``jreshard.core.heads``); with fewer
+  KV heads than ``tp`` the KV projections live on a ``(dp, tp, tp_replica)``
+  view, each head on ``tp_replica`` consecutive ranks, as vLLM replicates them.
 
 ``check_degrees`` refuses degrees the frameworks cannot lay out (a ``tp`` that cuts
 a head, an ``ep`` that does not divide the experts, more stages than layers).
@@ -41,10 +50,8 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
-import numbers
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import NamedTuple
 
 import numpy as np
 
@@ -52,121 +59,11 @@ from jreshard.core.heads import split_heads
 from jreshard.core.layout import Layout
 from jreshard.core.mesh import Mesh
 from jreshard.fleet.catalog import TensorInfo
+from jreshard.fleet.degrees import InferParallel, TrainParallel, parse_degrees, parse_parallel
+from jreshard.fleet.nn_presets import nn_layouts
 
 __all__ = ["TrainParallel", "InferParallel", "train_layouts", "infer_layouts", "stage_of_layers", "parse_parallel",
-           "parse_degrees", "check_degrees"]
-
-
-def _check_positive(obj: Any) -> None:
-    for f in dataclasses.fields(obj):
-        v = getattr(obj, f.name)
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
-            raise ValueError(f"{type(obj).__name__}.{f.name} must be a positive int, got {v!r}.")
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class TrainParallel:
-    """Training-side degrees (Megatron / JAX trainers)."""
-
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    cp: int = 1
-    ep: int = 1
-    expert_tp: int = 1
-    fsdp: int = 1
-
-    def __post_init__(self) -> None:
-        _check_positive(self)
-
-    def world(self, gpus: int) -> tuple[int, int, int]:
-        """(stage size, dense replicas, expert replicas) for ``gpus`` devices.
-
-        Raises ValueError when the degrees do not fit ``gpus``.
-        """
-        if gpus % self.pp:
-            raise ValueError(f"{gpus} training devices do not split into pp={self.pp} stages; "
-                             "make the device count a multiple of pp.")
-        stage = gpus // self.pp
-        dense = self.tp * self.cp * self.fsdp * self.dp
-        if stage % dense:
-            raise ValueError(f"a pipeline stage of {stage} devices cannot hold tp*cp*fsdp*dp = {dense}; "
-                             f"degrees {self} do not fit {gpus} devices.")
-        if self.ep == 1 and self.expert_tp == 1 and stage != dense:
-            raise ValueError(f"tp*cp*fsdp*dp*pp = {dense * self.pp} but there are {gpus} training devices; "
-                             f"degrees {self} must multiply to the device count.")
-        if stage % (self.ep * self.expert_tp):
-            raise ValueError(f"a pipeline stage of {stage} devices cannot hold ep*expert_tp = "
-                             f"{self.ep * self.expert_tp}; degrees {self} do not fit {gpus} devices.")
-        return stage, stage // (self.tp * self.cp * self.fsdp), stage // (self.ep * self.expert_tp)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class InferParallel:
-    """Inference-side degrees (vLLM-style engines: tp x dp, optional ep)."""
-
-    tp: int = 1
-    dp: int = 1
-    ep: int = 1
-
-    def __post_init__(self) -> None:
-        _check_positive(self)
-
-    def check(self, gpus: int) -> None:
-        if self.tp * self.dp != gpus:
-            raise ValueError(f"inference tp*dp = {self.tp * self.dp} but there are {gpus} inference devices; "
-                             "make tp*dp equal the device count.")
-        if gpus % self.ep:
-            raise ValueError(f"inference ep={self.ep} does not divide {gpus} devices.")
-
-
-_KINDS = {"train": TrainParallel, "infer": InferParallel}
-
-
-def parse_degrees(text: str, kind: str, *, gpus: bool = False) -> dict[str, int]:
-    """Parses ``'tp=4,pp=4,dp=2'`` into ``{'tp': 4, 'pp': 4, 'dp': 2}``, checking names and values.
-
-    Args:
-      text: comma-separated ``name=int`` pairs.
-      kind: ``'train'`` (names of ``TrainParallel``) or ``'infer'`` (names of ``InferParallel``).
-      gpus: also accept ``gpus=N`` (the device count of a scenario side).
-
-    Raises:
-      TypeError: ``text`` is not a string.
-      ValueError: a pair is malformed, a name unknown, a value not a positive int, or a name repeated.
-
-    Example:
-      >>> from jreshard.fleet.presets import parse_degrees
-      >>> parse_degrees("tp=8, dp=2", "infer")
-      {'tp': 8, 'dp': 2}
-    """
-    if kind not in _KINDS:
-        raise ValueError(f"kind must be 'train' or 'infer', got {kind!r}.")
-    if not isinstance(text, str):
-        raise TypeError(f"{kind} degrees must be a string such as 'tp=4,dp=2', got {type(text).__name__}.")
-    names = [f.name for f in dataclasses.fields(_KINDS[kind])] + (["gpus"] if gpus else [])
-    values: dict[str, int] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        key, eq, val = (x.strip() for x in part.partition("="))
-        if not eq or key not in names or not val.isdigit() or int(val) < 1:
-            raise ValueError(f"{kind} degrees {text!r}: cannot read {part!r}; write name=int pairs with positive "
-                             f"ints, such as 'tp=4,dp=2', with names from {names}.")
-        if key in values:
-            raise ValueError(f"{kind} degrees {text!r}: {key} is given twice; give it once.")
-        values[key] = int(val)
-    return values
-
-
-def parse_parallel(text: str, kind: str) -> TrainParallel | InferParallel:
-    """Parses ``'tp=4,pp=4,dp=2'`` into a ``TrainParallel`` (``kind='train'``) or ``InferParallel``.
-
-    Example:
-      >>> from jreshard.fleet.presets import parse_parallel
-      >>> parse_parallel("tp=4,pp=2", "train")
-      TrainParallel(tp=4, pp=2, dp=1, cp=1, ep=1, expert_tp=1, fsdp=1)
-    """
-    values = parse_degrees(text, kind)
-    return _KINDS[kind](**values)
+           "parse_degrees", "check_degrees", "nn_layouts"]
 
 
 def _device_array(devices: Iterable[int], n: int, arg: str) -> np.ndarray:
@@ -207,6 +104,36 @@ def _dense_spec(info: TensorInfo, tp: str | None, fsdp: str | None) -> tuple:
 
 def _expert_owner(expert: int, num_experts: int, ep: int) -> int:
     return expert // -(-num_experts // ep)
+
+
+class _ExpertMeshes(NamedTuple):
+    """The meshes routed experts live on: all of them (stacked) and each ep rank's (one leaf per expert)."""
+
+    stacked: Mesh
+    owners: tuple[Mesh, ...]
+    fsdp: str | None
+    etp: str | None
+
+    @classmethod
+    def build(cls, ids: np.ndarray, ep: int, fsdp: int, etp: int) -> _ExpertMeshes:
+        """Devices ``ids`` as ``(edp, ep[, fsdp], etp)``, etp innermost (fsdp only where it shards)."""
+        sizes = {"ep": ep, "fsdp": fsdp, "etp": etp} if fsdp > 1 else {"ep": ep, "etp": etp}
+        grid = ids.reshape((-1, *sizes.values()))
+        names = ("edp", *sizes)
+        owners = tuple(Mesh(grid[:, r], names[:1] + names[2:]) for r in range(ep))
+        return cls(Mesh(grid, names), owners, "fsdp" if fsdp > 1 else None, "etp" if etp > 1 else None)
+
+    def layout(self, info: TensorInfo, num_experts: int, dtype: str) -> Layout:
+        """``info``'s layout: stacked ``[E, ...]`` over all ep ranks, else on its expert's ep rank."""
+        inner: tuple = (self.etp, None) if info.role == "column" else (None, self.etp)
+        if info.stacked:
+            lead = ("ep", self.fsdp) if self.fsdp else "ep"
+            return Layout(info.shape, self.stacked, (lead, *inner), dtype)
+        mesh = self.owners[_expert_owner(int(info.expert or 0), num_experts, len(self.owners))]
+        if self.fsdp:  # the leading dim over fsdp (major), as for dense tensors
+            first = tuple(a for a in (self.fsdp, inner[0]) if a)
+            inner = (first if len(first) > 1 else first[0], inner[1])
+        return Layout(info.shape, mesh, inner, dtype)
 
 
 def _num_experts(infos: Sequence[TensorInfo]) -> int:
@@ -256,8 +183,8 @@ def check_degrees(infos: Sequence[TensorInfo], par: TrainParallel | InferParalle
       it divides the query heads; inference replicates KV heads when ``tp`` is a
       multiple of them, training (Megatron) never does. Every other tensor-parallel
       dim except the vocabulary (which the frameworks pad) must split evenly, as
-      must the expert dims under ``expert_tp`` (training) or ``tp`` (inference
-      without ``ep``).
+      must the expert dims under ``expert_tp`` (training, and inference with
+      ``ep`` or ``expert_tp``) or ``tp`` (inference without them).
     - ``ep`` divides the routed experts, and is 1 for a model without them.
     - ``pp`` does not exceed the decoder layers (stages may differ by one layer).
 
@@ -271,17 +198,20 @@ def check_degrees(infos: Sequence[TensorInfo], par: TrainParallel | InferParalle
     """
     if not isinstance(par, (TrainParallel, InferParallel)):
         raise TypeError(f"par must be a TrainParallel or an InferParallel, got {type(par).__name__}.")
-    expert_tp = par.expert_tp if isinstance(par, TrainParallel) else None
+    infer = isinstance(par, InferParallel)
+    # Experts follow tp only at inference without ep and expert_tp; else expert_tp cuts them.
+    follow_tp = isinstance(par, InferParallel) and not par.splits_experts
+    expert_arg, expert_degree = ("tp", par.tp) if follow_tp else ("expert_tp", par.expert_tp)
     seen: set[tuple] = set()
     for t in infos:
         key = (t.role, t.shape, t.heads, t.replicate_heads, t.stacked, t.is_expert)
         if key in seen:
             continue
         seen.add(key)
-        if t.is_expert and expert_tp is not None:
-            _check_split(t, "expert_tp", expert_tp, False)
-        elif not (t.is_expert and par.ep > 1):
-            _check_split(t, "tp", par.tp, expert_tp is None)
+        if t.is_expert:
+            _check_split(t, expert_arg, expert_degree, False)
+        else:
+            _check_split(t, "tp", par.tp, infer)
     n_exp = _num_experts(infos)
     if par.ep > 1 and not n_exp:
         raise ValueError(f"ep={par.ep} but the model has no routed experts; use ep=1.")
@@ -306,7 +236,7 @@ def train_layouts(infos: Sequence[TensorInfo], par: TrainParallel, devices: Iter
     if not isinstance(par, TrainParallel):
         raise TypeError(f"par must be a TrainParallel, got {type(par).__name__}.")
     devices = list(devices)
-    stage_size, dense_dp, edp = par.world(len(devices))
+    stage_size, dense_dp, _ = par.world(len(devices))
     check_degrees(infos, par)
     ids = _device_array(devices, len(devices), "devices").reshape(par.pp, stage_size)
     n_layers = max((t.layer for t in infos if t.layer is not None), default=-1) + 1
@@ -314,23 +244,16 @@ def train_layouts(infos: Sequence[TensorInfo], par: TrainParallel, devices: Iter
     n_exp = _num_experts(infos)
     dense_mesh = [Mesh(ids[s].reshape(dense_dp, par.fsdp, par.cp, par.tp), ("dp", "fsdp", "cp", "tp"))
                   for s in range(par.pp)]
-    expert_grid = [ids[s].reshape(edp, par.ep, par.expert_tp) for s in range(par.pp)]
-    stacked_mesh = [Mesh(g, ("edp", "ep", "etp")) for g in expert_grid]
-    owner_mesh = [[Mesh(g[:, r, :], ("edp", "etp")) for r in range(par.ep)] for g in expert_grid]
+    experts = [_ExpertMeshes.build(ids[s], par.ep, par.fsdp, par.expert_tp) for s in range(par.pp)]
     fsdp = "fsdp" if par.fsdp > 1 else None
     tp = "tp" if par.tp > 1 else None
-    etp = "etp" if par.expert_tp > 1 else None
     out: dict[str, Layout] = {}
     cache: dict[tuple, tuple] = {}
     for t in infos:
         s = _stage(t, layer_stage, par.pp)
         dt = dtype or t.dtype
-        if t.stacked:
-            rest = (etp, None) if t.role == "column" else (None, etp)
-            out[t.name] = Layout(t.shape, stacked_mesh[s], ("ep",) + rest, dt)
-        elif t.expert is not None:
-            mesh = owner_mesh[s][_expert_owner(t.expert, n_exp, par.ep)]
-            out[t.name] = Layout(t.shape, mesh, (etp, None) if t.role == "column" else (None, etp), dt)
+        if t.is_expert:
+            out[t.name] = experts[s].layout(t, n_exp, dt)
         else:
             key = (t.role, len(t.shape))
             spec = cache.get(key)
@@ -342,7 +265,7 @@ def train_layouts(infos: Sequence[TensorInfo], par: TrainParallel, devices: Iter
 
 def infer_layouts(infos: Sequence[TensorInfo], par: InferParallel, devices: Iterable[int],
                   dtype: str | None = None) -> dict[str, Layout]:
-    """The inference Layout of every tensor (vLLM-style tp x dp engines, optional ep).
+    """The inference Layout of every tensor (vLLM-style tp x dp engines, optional ep x expert_tp).
 
     Args:
       infos: the model's tensors (``catalog.tensors``).
@@ -361,18 +284,13 @@ def infer_layouts(infos: Sequence[TensorInfo], par: InferParallel, devices: Iter
     # tp axis splits into the head groups (still "tp") and their copies ("tp_replica").
     head_mesh: dict[int, Mesh] = {1: mesh}
     n_exp = _num_experts(infos)
-    ep_grid = ids.reshape(len(ids) // par.ep, par.ep)
-    ep_mesh = Mesh(ep_grid, ("edp", "ep"))
-    owner_mesh = [Mesh(ep_grid[:, r], ("edp",)) for r in range(par.ep)]
+    experts = _ExpertMeshes.build(ids, par.ep, 1, par.expert_tp) if par.splits_experts else None
     tp = "tp" if par.tp > 1 else None
     out: dict[str, Layout] = {}
     for t in infos:
         dt = dtype or t.dtype
-        if t.is_expert and par.ep > 1:
-            if t.expert is not None:
-                out[t.name] = Layout(t.shape, owner_mesh[_expert_owner(t.expert, n_exp, par.ep)], (), dt)
-            else:
-                out[t.name] = Layout(t.shape, ep_mesh, ("ep",), dt)
+        if t.is_expert and experts is not None:
+            out[t.name] = experts.layout(t, n_exp, dt)
         elif t.stacked:
             out[t.name] = Layout(t.shape, mesh, (None, tp, None) if t.role == "column" else (None, None, tp), dt)
         else:

@@ -129,7 +129,7 @@ def _side(where: str, data: Mapping, field: str, allowed: set, cls: type,
         gpus = par.tp * par.dp
     else:
         # Experts fold into the data-parallel ranks (Megatron): a stage holds both groups.
-        gpus = par.pp * math.lcm(par.tp * par.cp * par.fsdp * par.dp, par.ep * par.expert_tp)
+        gpus = par.pp * math.lcm(par.tp * par.cp * par.fsdp * par.dp, par.ep * par.fsdp * par.expert_tp)
     try:
         par.world(gpus) if cls is TrainParallel else par.check(gpus)
         check_degrees(infos, par)
