@@ -72,6 +72,7 @@ def plan(src: Any, dst: Any, *, balance: bool = True, **kwargs: Any) -> TensorPl
     ``dtype=``); this needs jax.
 
     Example:
+      >>> from jreshard import Layout, Mesh, plan
       >>> src = Layout((8, 4), Mesh([0, 1, 2, 3], "fsdp"), ("fsdp",), dtype="float32")
       >>> dst = Layout((8, 4), Mesh([[4, 5], [6, 7]], ("dp", "tp")), (None, "tp"), dtype="float32")
       >>> plan(src, dst).moves[0]

@@ -31,6 +31,7 @@ class Box(tuple):
     Bounds are non-negative ints with ``lo <= hi`` (an empty range is allowed).
 
     Example:
+      >>> from jreshard import Box
       >>> box = Box([(0, 6), (2, 4)])
       >>> box == (slice(0, 6), slice(2, 4)), box.shape, box.size, str(box)
       (True, (6, 2), 12, '[0:6, 2:4]')
@@ -152,6 +153,7 @@ def split_box(box: Sequence[slice], itemsize: int, limit: int) -> list[Box]:
     empty box is returned whole.
 
     Example:
+      >>> from jreshard.core.box import Box, split_box
       >>> [str(b) for b in split_box(Box([(0, 3), (0, 4)]), 4, 40)]
       ['[0:2, 0:4]', '[2:3, 0:4]']
       >>> [str(b) for b in split_box(Box([(0, 2), (0, 4)]), 4, 8)]

@@ -43,6 +43,8 @@ def canonical_dtype(dtype: Any, *, arg: str = "dtype") -> str | None:
     the argument in the error message.
 
     Example:
+      >>> import numpy as np
+      >>> from jreshard.core.dtypes import canonical_dtype
       >>> canonical_dtype(np.float32), canonical_dtype("bfloat16"), canonical_dtype(None)
       ('float32', 'bfloat16', None)
     """
@@ -60,6 +62,7 @@ def itemsize_of(dtype: Any) -> int:
     """Bytes per element of a dtype (or its name); 1 for ``None``, which counts elements.
 
     Example:
+      >>> from jreshard.core.dtypes import itemsize_of
       >>> itemsize_of("bfloat16"), itemsize_of("float8_e4m3fn"), itemsize_of(None)
       (2, 1, 1)
     """
@@ -72,6 +75,9 @@ def numpy_dtype(dtype: Any, *, arg: str = "dtype") -> np.dtype | None:
     """The ``numpy.dtype`` of a numeric dtype or its name (ml_dtypes for bfloat16, float8, ...).
 
     Example:
+      >>> import ml_dtypes
+      >>> import numpy as np
+      >>> from jreshard.core.dtypes import numpy_dtype
       >>> numpy_dtype("bfloat16") == np.dtype(ml_dtypes.bfloat16), numpy_dtype(None)
       (True, None)
     """

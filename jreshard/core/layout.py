@@ -157,6 +157,7 @@ class Layout:
       dtype: optional element type; statistics count bytes with it, elements without.
 
     Example:
+      >>> from jreshard import Layout, Mesh
       >>> mesh = Mesh([[0, 1], [2, 3]], ("dp", "tp"))
       >>> layout = Layout((6, 4), mesh, (None, "tp"), dtype="float32")
       >>> layout.shard_box(3)
@@ -215,6 +216,7 @@ class Layout:
         ``dim_axes`` holds the same as one tuple of axis names per dim.
 
         Example:
+          >>> from jreshard import Layout, Mesh
           >>> mesh = Mesh([[0, 1], [2, 3]], ("dp", "tp"))
           >>> Layout((8, 4, 2), mesh, (("dp", "tp"),)).spec, Layout((8, 4), mesh, (None, "tp")).spec
           ((('dp', 'tp'), None, None), (None, 'tp'))

@@ -84,6 +84,7 @@ class Mesh:
       axis_names: one name per axis of ``devices`` (a single string for 1-D).
 
     Example:
+      >>> from jreshard import Mesh
       >>> mesh = Mesh([[0, 1], [2, 3]], ("dp", "tp"))
       >>> mesh.shape, mesh.axis_sizes["tp"], mesh.device_ids
       ((2, 2), 2, (0, 1, 2, 3))

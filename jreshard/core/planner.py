@@ -80,6 +80,7 @@ def plan(src: Any, dst: Any, *, balance: bool = True) -> TensorPlan | Plan:
 
     Example:
       >>> from jreshard import Layout, Mesh
+      >>> from jreshard.core.planner import plan
       >>> src = Layout((8, 4), Mesh([0, 1, 2, 3], "fsdp"), ("fsdp",), dtype="float32")
       >>> dst = Layout((8, 4), Mesh([[4, 5], [6, 7]], ("dp", "tp")), (None, "tp"), dtype="float32")
       >>> p = plan(src, dst)
@@ -108,7 +109,7 @@ def plan_layouts(pairs: Sequence[tuple[str, Layout, Layout]], *, balance: bool =
     """Plans a flat list of (name, src, dst); executors use it after their own flattening.
 
     Example:
-      >>> from jreshard import Layout, Mesh
+      >>> from jreshard import Layout, Mesh, plan_layouts
       >>> w = Layout((4,), Mesh([0, 1], "x"), ("x",))
       >>> list(plan_layouts([("layers/0/w", w, w.with_dtype("float32"))]))
       ['layers/0/w']

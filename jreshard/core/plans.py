@@ -26,6 +26,7 @@ class Move:
     """Copy ``box`` (global coordinates) from device ``src`` to device ``dst``.
 
     Example:
+      >>> from jreshard import Move
       >>> Move(0, 4, [(0, 256), (0, 128)])
       Move(0 -> 4, [0:256, 0:128])
     """

@@ -14,6 +14,7 @@ def format_amount(n: float, unit: str = "bytes") -> str:
     """``1.50 MiB`` for bytes (binary prefixes), ``1,024 elements`` for any other unit.
 
     Example:
+      >>> from jreshard.core.stats import format_amount
       >>> format_amount(3 << 19), format_amount(512), format_amount(2048, "elements")
       ('1.50 MiB', '512 B', '2,048 elements')
     """

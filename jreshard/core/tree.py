@@ -86,6 +86,7 @@ def path_str(path: tuple) -> str:
     entries (``jax.tree_util.tree_flatten_with_path``), which print as their key.
 
     Example:
+      >>> from jreshard.core.tree import path_str
       >>> path_str(("layers", 0, "attn", "q_proj")), path_str(())
       ('layers/0/attn/q_proj', '')
     """
@@ -96,6 +97,7 @@ def first_leaf(tree: Any) -> Any:
     """The first leaf of ``tree`` in walk order without flattening it (``None`` if it has none).
 
     Example:
+      >>> from jreshard.core.tree import first_leaf
       >>> first_leaf({"b": [None, 2], "a": None})
       2
     """

@@ -25,6 +25,7 @@ class LlamaConfig:
     """Hyperparameters of a decoder-only Llama (``qk_norm=True``: Qwen3-style) model.
 
     Example:
+      >>> from jreshard.nn import LlamaConfig
       >>> cfg = LlamaConfig.load("llama-tiny")
       >>> cfg.hidden_size, cfg.q_size, cfg.kv_size
       (256, 256, 128)
@@ -118,6 +119,7 @@ class MoeConfig(LlamaConfig):
     (DeepSeek-V3's shared expert; Qwen3-MoE has none).
 
     Example:
+      >>> from jreshard.nn import MoeConfig
       >>> cfg = MoeConfig.load("qwen3-moe-tiny")
       >>> cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
       (8, 2, 64)
@@ -174,6 +176,7 @@ def param_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter's leaf path and shape, in the flax model's tree order.
 
     Example:
+      >>> from jreshard.nn import LlamaConfig, param_shapes
       >>> shapes = param_shapes(LlamaConfig.load("llama-tiny"))
       >>> shapes["layers_0/attn/q_proj/kernel"], shapes["embed/embedding"]
       ((256, 256), (1024, 256))
@@ -212,6 +215,7 @@ def fsdp_spec(path: str, shape: tuple[int, ...], axis: str | tuple[str, ...] = "
     """The FSDP partition spec of one parameter: matrices split on dim 0, vectors replicated.
 
     Example:
+      >>> from jreshard.nn import fsdp_spec
       >>> fsdp_spec("layers_0/mlp/up_proj/kernel", (256, 688))
       ('fsdp', None)
       >>> fsdp_spec("final_norm/scale", (256,))

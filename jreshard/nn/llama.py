@@ -6,7 +6,9 @@ halves of each head (``rotate_half``), grouped-query attention, SiLU-gated MLP.
 Parameter leaf paths are listed by ``jreshard.nn.param_shapes``.
 
 Example:
-  >>> import jax, jax.numpy as jnp
+  >>> import jax
+  >>> import jax.numpy as jnp
+  >>> from jreshard.nn import LlamaConfig, init_params, logits
   >>> cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
   ...                   num_attention_heads=4, num_key_value_heads=2, head_dim=8)
   >>> params = init_params(cfg, jax.random.key(0))

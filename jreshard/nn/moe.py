@@ -15,7 +15,8 @@ small model can afford. A shared expert (DeepSeek-V3) is a dense MLP every token
 ``MoeConfig`` as they take a ``LlamaConfig``.
 
 Example:
-  >>> import jax, jax.numpy as jnp
+  >>> import jax
+  >>> import jax.numpy as jnp
   >>> from jreshard.nn import MoeConfig, init_params, logits
   >>> cfg = MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
   ...                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, qk_norm=True,
@@ -45,6 +46,7 @@ def route(router_logits: jax.Array, top_k: int, normalize: bool) -> jax.Array:
     Example:
       >>> import jax.numpy as jnp
       >>> import numpy as np
+      >>> from jreshard.nn.moe import route
       >>> np.round(np.asarray(route(jnp.log(jnp.array([[0.1, 0.6, 0.3]])), 2, True)), 3)
       array([[0.   , 0.667, 0.333]], dtype=float32)
     """
