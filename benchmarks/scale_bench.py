@@ -5,7 +5,9 @@ and cached, bytes moved against the lower bound, the largest sender load against
 the mean and against the best any assignment could reach (the sender load bound:
 within each set of devices linked by shared replicas, the mean), and the cost
 model's predicted seconds for jreshard and the two baselines beside any published
-figures. Then the planner target: Kimi-K2, ~70,000 tensors, 256 -> 128 devices.
+figures. Then the planner target: Kimi-K2, ~70,000 tensors, 256 -> 128 devices, and
+for scenarios that publish per-layer figures, one MoE layer's routed experts
+(``jreshard.fleet.layer``) next to them.
 
 Run: ``.venv/bin/python benchmarks/scale_bench.py [scenario ...]`` (about two minutes).
 """
@@ -20,6 +22,7 @@ import sys  # noqa: E402
 
 import jreshard  # noqa: E402
 from jreshard import cost, scenario  # noqa: E402
+from jreshard.fleet.layer import format_layer, predict_layer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from plan_bench import banner, timed  # noqa: E402
@@ -45,7 +48,8 @@ def main(names: list[str]) -> None:
           "  published")
     for r in rows:
         st, c = r["stats"], r["cmp"]
-        pub = ", ".join(f"{k.removesuffix('_s')} {v}" for k, v in r["published"].items() if isinstance(v, (int, float)))
+        pub = ", ".join(f"{k.removesuffix('_s')} {v}" for k, v in r["published"].items()
+                        if isinstance(v, (int, float)) and not k.startswith("moe_layer_"))
         print(f"{r['name']:<38} {r['tensors']:>7,} {r['first']:>7.2f} {r['cold']:>7.2f} {r['warm'] * 1e3:>8.2f} "
               f"{st.network_bytes / 1e12:>9.2f} {'yes' if st.network_bytes == st.lower_bound_bytes else 'NO':>4} "
               f"{st.send_imbalance:>8.3f} {st.max_send_bytes / r['bound'] if r['bound'] else 1:>9.3f}  "
@@ -57,6 +61,11 @@ def main(names: list[str]) -> None:
         print(f"\nKimi-K2 target (~70,000 tensors, 256 -> 128): cold {k['cold']:.2f} s best of 2 "
               f"(first in process {k['first']:.2f} s; target < 1 s), cached {k['warm'] * 1e3:.2f} ms (target < 20 ms), "
               f"bytes moved = lower bound: {k['stats'].network_bytes == k['stats'].lower_bound_bytes}")
+    for r in rows:
+        if "moe_layer_reshard_s" in r["published"]:
+            s = scenario.load_scenario(r["name"])
+            first = min(t.layer for t in s.tensors() if t.is_expert and t.layer is not None)
+            print("\n" + format_layer(predict_layer(s, first)))
     print("\nmax/mean: largest sender over mean sender; max/bound: largest sender over the sender load bound "
           "(1.000 = no assignment does better). Predicted seconds from the alpha-beta model (docs/cost_model.md);")
     print("'hier' = hierarchical delivery won. Published figures are quoted in the scenario files, "

@@ -10,6 +10,7 @@ import pytest
 
 import jreshard
 from jreshard import Layout, Mesh, cost, reference
+from jreshard.fleet import layer
 from jreshard.fleet.cost import Topology, Traffic
 
 # 2 GPUs per domain, NVLink 100 GB/s, network 10 GB/s per direction.
@@ -142,7 +143,7 @@ def test_hardware_and_topology_errors():
         cost.flat_direct({"a": CASES["scalar"][0]}, {"b": CASES["scalar"][1]}, TOPO)
 
 
-@pytest.mark.parametrize("module", ["cost", "hardware", "traffic", "hierarchical", "baselines"])
+@pytest.mark.parametrize("module", ["cost", "hardware", "traffic", "hierarchical", "baselines", "layer"])
 def test_docstring_examples(module):
     mod = importlib.import_module(f"jreshard.fleet.{module}")
     result = doctest.testmod(mod)
@@ -179,3 +180,30 @@ def test_sender_load_bound():
     assert cost.sender_load_bound(src, s) == pytest.approx(60)
     assert s.max_send_bytes == 60  # reached: device 1 passes "c" to device 4, then takes half of "a"
     assert cost.sender_load_bound({"a": src["a"]}, jreshard.plan({"a": src["a"]}, {"a": dst["a"]}).stats()) == 50
+
+
+def test_predict_layer_deepseek_v3_on_nvl72():
+    p = layer.predict_layer("dsv3-ep16pp8-to-tp8dp16", 3)
+    # The layer's 256 routed experts, each gate, up [2048, 7168] and down [7168, 2048] in bfloat16.
+    assert len(p.names) == 3 * 256 and all(".mlp.experts." in n and n.startswith("model.layers.3.") for n in p.names)
+    assert p.nbytes == 256 * 3 * 2048 * 7168 * 2
+    c = p.comparison
+    assert c.delivery == "hierarchical" and c.jreshard is c.hierarchical
+    assert c.jreshard.seconds < c.flat_direct.seconds
+    # Stage 0 holds each expert once (ep=16 on 16 devices); 16 TP8 engines sit in 3 NVLink domains of 72.
+    assert p.network_copies() == (3.0, 16.0)
+    assert p.published == layer.PublishedLayer(0.0098, 0.0773)
+    text = layer.format_layer(p)
+    assert "9.8 ms" in text and "77.3 ms" in text and f"{c.jreshard.seconds * 1e3:,.1f} ms" in text
+    assert "16.0 times" in text and "3.0 times" in text
+
+
+def test_predict_layer_errors():
+    with pytest.raises(ValueError, match="layer 0 of deepseek-v3 holds no routed experts; layers 3 to 61 do"):
+        layer.predict_layer("dsv3-ep16pp8-to-tp8dp16", 0)
+    with pytest.raises(TypeError, match="layer must be an int, got str"):
+        layer.predict_layer("dsv3-ep16pp8-to-tp8dp16", "3")
+    dense = {"model": "llama-tiny", "train": {"gpus": 2, "fsdp": 2}, "infer": {"gpus": 2, "tp": 2},
+             "hardware": "dgx-h100"}
+    with pytest.raises(ValueError, match="layer 1 of llama-tiny holds no routed experts; the model has none"):
+        layer.predict_layer(dense, 1)

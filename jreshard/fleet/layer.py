@@ -95,8 +95,9 @@ def predict_layer(scenario: Scenario | str | os.PathLike | Mapping, layer: int, 
     infos = s.tensors(experts)
     with_experts = sorted({t.layer for t in infos if t.is_expert and t.layer is not None})
     if layer not in with_experts:
-        span = f"layers {with_experts[0]} to {with_experts[-1]}" if with_experts else "no layer"
-        raise ValueError(f"layer {layer} of {s.model.name} holds no routed experts; {span} do; pass one of them.")
+        where = (f"layers {with_experts[0]} to {with_experts[-1]} do; pass one of them" if with_experts
+                 else "the model has none; pick a scenario with a mixture-of-experts model")
+        raise ValueError(f"layer {layer} of {s.model.name} holds no routed experts; {where}.")
     # The other layers' experts change no layout of this one's: leave them out (tens of thousands of tensors).
     kept = [t for t in infos if not t.is_expert or t.layer == layer]
     src = train_layouts(kept, s.train, s.train_devices())
