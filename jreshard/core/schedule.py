@@ -40,7 +40,7 @@ from collections import defaultdict
 from collections.abc import Collection, Mapping, Sequence
 
 from jreshard.core.box import Box, split_box
-from jreshard.core.planner import TensorPlan
+from jreshard.core.plans import TensorPlan
 
 __all__ = ["Piece", "Message", "Bucket", "schedule", "pieces", "edge_colouring", "ALIGN"]
 

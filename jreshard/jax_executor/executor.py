@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import Sharding
 
 from jreshard.core.layout import Layout
-from jreshard.core.planner import Plan, TensorPlan
+from jreshard.core.plans import Plan, TensorPlan
 from jreshard.core.schedule import Piece, pieces, schedule
 from jreshard.jax_executor import host, programs
 from jreshard.jax_executor.buckets import BucketRunner, Results, Transport, build_programs

@@ -11,7 +11,7 @@ from jax.sharding import Sharding
 
 from jreshard.core.box import Box
 from jreshard.core.layout import Layout
-from jreshard.core.planner import TensorPlan
+from jreshard.core.plans import TensorPlan
 from jreshard.jax_executor import host
 
 __all__ = ["Destinations", "SourceShards"]

@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jreshard.core.planner import Plan, TensorPlan
+from jreshard.core.plans import Plan, TensorPlan
 from jreshard.jax_executor import host
 from jreshard.jax_executor.adapter import Leaves, check_live, parse
 from jreshard.jax_executor.executor import Spec, executor
