@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from bridge._dtensor import dtensor_params
 from bridge._param_map import Param, ParamMap, Region
 from bridge._plan import BridgePlan, Message, ParamMove, Piece, Segment
-from bridge._rules import Rule, dtensor_params, tp_param_map
+from bridge._rules import Rule, tp_param_map
 from bridge._source import SOURCE_BASE, Source, source_id, split_source_id, trainer_mesh
 from bridge.recipes.llama import llama_param_map, llama_rules
 

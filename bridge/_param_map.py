@@ -3,7 +3,9 @@
 The words follow ``docs/glossary.md``: a *param* is one tensor of the inference
 engine on one rank; a *region* is the part of a param filled from one box of one
 leaf, through an axis permutation (``transpose``: torch dim ``i`` is leaf dim
-``transpose[i]``). A fused param (``qkv_proj``) has several regions; a padded
+``transpose[i]``), in the param seen through a reshape (``view``) when the leaf's
+dims and the param's differ (a layer of a stacked leaf, heads as their own dims,
+one expert's leaf in a stacked param). A fused param (``qkv_proj``) has several regions; a padded
 vocabulary leaves rows that no region covers (they keep their values). A
 ``ParamMap`` holds every rank's params; ``bridge.tp_param_map`` builds one from
 rules, ``bridge.dtensor_params`` from DTensor placements.
@@ -12,6 +14,7 @@ rules, ``bridge.dtensor_params`` from DTensor placements.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable
 
 from bridge._source import Source
@@ -22,19 +25,29 @@ __all__ = ["Region", "Param", "ParamMap"]
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Region:
-    """Fill ``param[offset : offset + shape]`` with ``leaf[box]`` permuted by ``transpose``.
+    """Fill ``param.view(view)[offset : offset + shape]`` with ``leaf[box]`` permuted by ``transpose``.
 
     ``box`` may be given as slices or ``(lo, hi)`` pairs; it is stored as a ``jreshard.Box``.
+    ``view`` is a shape of the param's elements with one dim per leaf dim (the param read
+    as C-contiguous), or ``None`` for the param's own shape: a layer ``l`` of a stacked
+    leaf ``[L, in, out]`` fills a ``[out, in]`` param through the view ``(1, out, in)``.
     """
 
     leaf: str  # the leaf's path in the Source
     box: Box  # per leaf dim
-    offset: tuple[int, ...]  # per torch dim
-    transpose: tuple[int, ...]  # torch dim i <- leaf dim transpose[i]
+    offset: tuple[int, ...]  # per view dim
+    transpose: tuple[int, ...]  # view dim i <- leaf dim transpose[i]
+    view: tuple[int, ...] | None = None  # the param's shape as this region sees it; None: its own
 
     def __post_init__(self) -> None:
         if not isinstance(self.box, Box):
             object.__setattr__(self, "box", Box(self.box))
+        if self.view is not None:
+            object.__setattr__(self, "view", tuple(int(n) for n in self.view))
+
+    def view_shape(self, param_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape in which ``offset`` and ``shape`` are given, for a param of ``param_shape``."""
+        return param_shape if self.view is None else self.view
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -59,11 +72,17 @@ class Param:
     regions: tuple[Region, ...]
 
     def __post_init__(self) -> None:
-        ndim = len(self.shape)
         for r in self.regions:
+            view = r.view_shape(self.shape)
+            ndim = len(view)
+            if r.view is not None and math.prod(view) != math.prod(self.shape):
+                raise ValueError(
+                    f"param {self.name!r} on rank {self.rank}: region view {view} does not hold the "
+                    f"{math.prod(self.shape)} elements of its shape {self.shape}; give a reshape of it."
+                )
             if len(r.offset) != ndim or sorted(r.transpose) != list(range(ndim)):
                 raise ValueError(
-                    f"param {self.name!r} on rank {self.rank} has shape {self.shape} but a region with "
+                    f"param {self.name!r} on rank {self.rank} has shape {view} but a region with "
                     f"offset {r.offset} and transpose {r.transpose}; give one entry per torch dim."
                 )
             if len(r.box) != ndim:
@@ -72,10 +91,10 @@ class Param:
                     "give one (lo, hi) per leaf dim."
                 )
             for i, (o, n) in enumerate(zip(r.offset, r.shape, strict=True)):
-                if o < 0 or o + n > self.shape[i]:
+                if o < 0 or o + n > view[i]:
                     raise ValueError(
                         f"param {self.name!r} on rank {self.rank}: region from {r.leaf!r} "
-                        f"(offset {r.offset}, shape {r.shape}) leaves the local shape {self.shape} in dim {i}."
+                        f"(offset {r.offset}, shape {r.shape}) leaves the local shape {view} in dim {i}."
                     )
 
 

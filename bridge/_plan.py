@@ -260,7 +260,7 @@ class BridgePlan:
             region = self.src_region(t)
             shard = self.source.layout(t.leaf).shard_box(t.src)
             src_direct = _contiguous([region[p] for p in perm], [shard[p].stop - shard[p].start for p in perm])
-            dst_direct = _contiguous(box, self.param(t.param, t.dst).shape)
+            dst_direct = _contiguous(box, self.dst_view(t))
             if src_direct or dst_direct:
                 out.append(Segment(off, off + t.nbytes, k, src_direct, dst_direct))
             elif out and out[-1].piece is None:
@@ -279,8 +279,13 @@ class BridgePlan:
         """The move's box in the coordinates of its source device's shard."""
         return t.box.relative_to(self.source.layout(t.leaf).shard_box(t.src))
 
+    def dst_view(self, t: ParamMove) -> tuple[int, ...]:
+        """The shape of the param's local tensor in which ``dst_region``'s box lies (its region's view)."""
+        param = self.param(t.param, t.dst)
+        return param.regions[t.region].view_shape(param.shape)
+
     def dst_region(self, t: ParamMove) -> tuple[tuple[slice, ...], tuple[int, ...]]:
-        """(the box in the param's local tensor, the permutation leaf dims -> torch dims)."""
+        """(the box in the param's local tensor seen as ``dst_view(t)``, the permutation leaf dims -> torch dims)."""
         region = self.param(t.param, t.dst).regions[t.region]
         perm = region.transpose
         box = tuple(slice(o + t.box[p].start - region.box[p].start, o + t.box[p].stop - region.box[p].start)
@@ -308,7 +313,7 @@ class BridgePlan:
         for t in self.moves:
             box, perm = self.dst_region(t)
             piece = np.asarray(arrays[t.leaf])[t.box]
-            dst = out[t.dst][t.param]
+            dst = out[t.dst][t.param].reshape(self.dst_view(t))  # a view: the param is C-contiguous
             dst[box] = piece.transpose(perm).astype(dst.dtype)
         return dict(out)
 

@@ -23,7 +23,7 @@ def plan_key(plan: BridgePlan) -> dict[str, Any]:
               for path, lay in plan.source.items()}
     params = {}
     for p in plan.param_map.params:
-        regions = repr([(r.leaf, str(r.box), r.offset, r.transpose) for r in p.regions])
+        regions = repr([(r.leaf, str(r.box), r.offset, r.transpose, r.view) for r in p.regions])
         params[f"{p.name} on rank {p.rank}"] = {
             "shape": list(p.shape), "dtype": p.dtype,
             "regions": hashlib.sha256(regions.encode()).hexdigest()[:12]}

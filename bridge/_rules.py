@@ -1,46 +1,60 @@
-"""Rules that turn trainer leaves into params on tensor-parallel ranks, and DTensor params.
+"""Rules that turn trainer leaves into params on tensor- and expert-parallel ranks.
 
 A ``Rule`` names the leaves it applies to (a regular expression over the leaf path)
-and how each becomes a param: transposed, split over the TP ranks (whole attention
-heads, as vLLM splits them), fused with other leaves, padded. ``tp_param_map``
-applies a rule list to every leaf for one or more TP groups; ``dtensor_params``
-gives the params of one DTensor from its mesh and ``Shard``/``Replicate`` placements.
-Model recipes (``bridge.recipes``) are rule lists.
+and how each becomes a param: its dims permuted, merged or split (``dims``), one layer
+of a stacked leaf per param, split over the TP ranks (whole attention heads, as vLLM
+splits them), its experts split over expert-parallel groups, fused with other leaves,
+one leaf per expert placed in a stacked param, padded. ``tp_param_map`` applies a
+rule list to every leaf for a grid of ranks. Model recipes (``bridge.recipes``) are
+rule lists; ``bridge._dtensor`` gives the params of DTensors.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import math
 import numbers
 import re
+from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from bridge._dims import DimSpec
 from bridge._param_map import Param, ParamMap, Region
 from bridge._source import Source
 from jreshard.core.box import Box
 from jreshard.core.dtypes import canonical_dtype
 from jreshard.core.heads import split_heads
 
-__all__ = ["Rule", "tp_param_map", "dtensor_params"]
+__all__ = ["Rule", "tp_param_map", "param_dtype"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Rule:
-    """Map trainer leaves matching ``pattern`` to a tensor-parallel param.
+    """Map trainer leaves matching ``pattern`` to a param on every rank of a grid.
 
     Args:
       pattern: a regular expression that must match the whole leaf path.
-      name: the param name; ``{1}``, ``{2}`` ... are the pattern's groups.
-      transpose: ``True`` reverses the dims (flax ``Dense`` kernel ``[in, out]`` to torch
-        ``Linear`` weight ``[out, in]``), or give the permutation (torch dim i <- leaf dim p[i]).
-      shard: the torch dim split across the TP ranks (column parallel: 0, row parallel: 1),
-        ``None`` to replicate.
+      name: the param name; ``{1}``, ``{2}`` ... are the pattern's groups, ``{layer}`` a
+        named group ``(?P<layer>...)`` or a stacked dim of ``dims``.
+      transpose: ``True`` reverses the two dims of a 2-dim leaf (flax ``Dense`` kernel
+        ``[in, out]`` to torch ``Linear`` weight ``[out, in]``), or give the permutation (torch
+        dim i <- leaf dim p[i]). Leaves of more dims need ``dims`` or a permutation.
+      dims: the leaf's dims by name and the param's (``"L emb heads hd -> (heads hd) emb"``,
+        see ``bridge._dims``): names moved, merged in parentheses, stacked (left only: one
+        param per index, ``{L}`` in ``name``) or new (right only: placed by ``at``).
+      shard: the param dim split across a row's TP ranks (column parallel: 0, row parallel: 1),
+        or its name in ``dims``; ``None`` to replicate.
+      ep_shard: the param dim (or name) whose experts are split linearly across the rows of
+        the rank grid: row ``r`` of ``ep`` holds ``[r*E/ep, (r+1)*E/ep)``. ``None``: rows are replicas.
+      at: the index of this leaf along the new dim of ``dims``, a template like ``name``
+        (``"{2}"`` for ``experts_(\\d+)``): many leaves fill one stacked param.
       part: the position of this leaf in a fused param: rules with the same param name
-        are concatenated per rank along ``shard`` (dim 0 when replicated) in ``part`` order.
+        are concatenated per rank along ``shard`` (the first param dim when replicated) in ``part`` order.
       pad_to: pad the ``shard`` dim to a multiple of this (a padded vocabulary); the padded
         rows of each rank are left untouched.
       dtype: the param dtype (default: the param map's).
@@ -53,12 +67,15 @@ class Rule:
     pattern: str
     name: str
     transpose: bool | tuple[int, ...] = False
-    shard: int | None = None
+    shard: int | str | None = None
     part: int = 0
     pad_to: int = 1
     dtype: str | None = None
     heads: int | None = None
     replicate_heads: bool = False
+    dims: str | None = None
+    ep_shard: int | str | None = None
+    at: str | int | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -74,10 +91,48 @@ class Rule:
                 raise ValueError(f"Rule {self.pattern!r}: heads needs a shard dim and no padding (pad_to=1).")
         elif self.replicate_heads:
             raise ValueError(f"Rule {self.pattern!r}: replicate_heads needs heads (the number of heads).")
+        if self.dims is not None:
+            if self.transpose is not False:
+                raise ValueError(f"Rule {self.pattern!r}: give dims or transpose, not both (dims names the moves).")
+            spec = _parse(self.dims, self.pattern)
+            for arg in ("shard", "ep_shard"):
+                v = getattr(self, arg)
+                if isinstance(v, str) and v not in spec.flat:
+                    raise ValueError(f"Rule {self.pattern!r}: {arg}={v!r} is not a param dim of dims "
+                                     f"{self.dims!r}; name one of {list(spec.flat)}.")
+            if bool(spec.new) != (self.at is not None):
+                raise ValueError(f"Rule {self.pattern!r}: a new param dim in dims and at= go together "
+                                 f"(dims {self.dims!r}, at={self.at!r}); at places the leaf along that dim.")
+        else:
+            for arg in ("shard", "ep_shard"):
+                if isinstance(getattr(self, arg), str):
+                    raise ValueError(f"Rule {self.pattern!r}: {arg} names a dim; name the dims with dims=.")
+            if self.at is not None:
+                raise ValueError(f"Rule {self.pattern!r}: at= needs dims= with a new param dim to place the leaf in.")
+
+    def spec(self, ndim: int) -> DimSpec:
+        """The named dims of a leaf of ``ndim`` dims under this rule."""
+        if self.dims is None:
+            return DimSpec.from_perm(self.perm(ndim))
+        spec = _parse(self.dims, self.pattern)
+        if len(spec.leaf) != ndim:
+            raise ValueError(f"Rule {self.pattern!r}: dims {self.dims!r} names {len(spec.leaf)} leaf dims, but "
+                             f"the leaf has {ndim}; name every leaf dim.")
+        return spec
 
     def perm(self, ndim: int) -> tuple[int, ...]:
         """The permutation torch dim ``i`` <- leaf dim ``perm[i]`` for a leaf of ``ndim`` dims."""
+        if self.dims is not None:
+            spec = self.spec(ndim)
+            if spec.stacked or spec.new or len(spec.param) != ndim:
+                raise ValueError(f"Rule {self.pattern!r}: dims {self.dims!r} is not a plain permutation.")
+            return tuple(spec.leaf.index(n) for n in spec.flat)
         if self.transpose is True:
+            if ndim > 2:
+                raise ValueError(
+                    f"Rule {self.pattern!r}: transpose=True on a {ndim}-dim leaf is ambiguous (reversing every "
+                    "dim moves a stacked layer or expert dim too); name the dims, e.g. "
+                    "dims='e h i -> e i h', or give the permutation.")
             return tuple(range(ndim))[::-1]
         if self.transpose is False:
             return tuple(range(ndim))
@@ -87,24 +142,32 @@ class Rule:
         return perm
 
 
+@functools.lru_cache(maxsize=256)
+def _parse(dims: str, pattern: str) -> DimSpec:
+    return DimSpec.parse(dims, f"Rule {pattern!r}")
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Part:
-    """One leaf of a (possibly fused) param: its position, path and rule."""
+    """One leaf of a (possibly fused or expert-stacked) param: its rule, stacked indices and slot."""
 
     part: int
     path: str
     rule: Rule
+    spec: DimSpec
+    fixed: tuple[tuple[str, int], ...]  # stacked dim name -> the index this param takes
+    at: int | None  # the index along the new dim
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Split:
-    """How a dim is split over TP ranks: every rank's local size and its ``(lo, hi)`` of the dim."""
+    """How a dim is split over ranks: every rank's local size and its ``(lo, hi)`` of the dim."""
 
     local: int
     ranges: tuple[tuple[int, int], ...]
 
 
-def _dtype(dtype: Any, arg: str = "dtype") -> str:
+def param_dtype(dtype: Any, arg: str = "dtype") -> str:
     """The canonical name of a param dtype; params always have one."""
     name = canonical_dtype(dtype, arg=arg)
     if name is None:
@@ -112,189 +175,243 @@ def _dtype(dtype: Any, arg: str = "dtype") -> str:
     return name
 
 
-def _tp_groups(tp_ranks: Any) -> list[list[int]]:
+def _grid(tp_ranks: Any) -> list[list[int]]:
     arr = np.asarray(tp_ranks)
     if arr.ndim == 1:
         arr = arr[None]
     if arr.ndim != 2 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(
             f"tp_ranks must be a list of torch ranks (one TP group) or a list of equal-length lists "
-            f"(one per replica), got {tp_ranks!r}."
+            f"(one per replica or expert-parallel group), got {tp_ranks!r}."
         )
     if len(set(arr.ravel().tolist())) != arr.size or (arr < 0).any():
         raise ValueError(f"tp_ranks must hold distinct non-negative ranks, got {arr.tolist()}.")
     return arr.tolist()
 
 
-def _split(n: int, tp: int, rule: Rule, what: str) -> _Split:
-    """The vLLM split of a dim of size ``n`` over ``tp`` ranks under ``rule`` (heads, padding)."""
-    if rule.heads is not None:
+def _split(n: int, k: int, rule: Rule | None, what: str) -> _Split:
+    """The vLLM split of a dim of size ``n`` over ``k`` ranks under ``rule`` (heads, padding; None: even)."""
+    if rule is not None and rule.heads is not None:
         if n % rule.heads:
             raise ValueError(f"{what}: size {n} is not {rule.heads} equal heads; fix the Rule's heads.")
-        heads = split_heads(rule.heads, n // rule.heads, tp, replicate=rule.replicate_heads, what=what)
+        heads = split_heads(rule.heads, n // rule.heads, k, replicate=rule.replicate_heads, what=what)
         return _Split(heads.local_size, heads.ranges())
-    padded = -(-n // rule.pad_to) * rule.pad_to
-    if padded % tp:
+    pad_to = 1 if rule is None else rule.pad_to
+    padded = -(-n // pad_to) * pad_to
+    if padded % k:
         raise ValueError(
-            f"{what}: size {n} (padded to {padded} with pad_to={rule.pad_to}) does not split evenly over "
-            f"{tp} tensor-parallel ranks; use pad_to a multiple of {tp} or a TP degree dividing {padded}."
+            f"{what}: size {n} (padded to {padded} with pad_to={pad_to}) does not split evenly over "
+            f"{k} ranks; use pad_to a multiple of {k} or a degree dividing {padded}."
         )
-    s = padded // tp
-    return _Split(s, tuple((min(r * s, n), min((r + 1) * s, n)) for r in range(tp)))
+    s = padded // k
+    return _Split(s, tuple((min(r * s, n), min((r + 1) * s, n)) for r in range(k)))
+
+
+def _format(rule: Rule, template: str, m: re.Match, fields: dict[str, int], path: str, what: str) -> str:
+    try:
+        return template.format(m.group(0), *m.groups(), **m.groupdict(), **fields)
+    except (IndexError, KeyError) as e:
+        raise ValueError(
+            f"Rule {rule.pattern!r}: its {what} {template!r} cannot be filled for leaf {path!r} ({e!r}): the "
+            f"pattern's groups are {m.groups()} ({{0}} is the whole path), named {m.groupdict()}, stacked dims "
+            f"{fields}; add the group to the pattern or fix the template."
+        ) from None
 
 
 def _match(source: Source, rules: Sequence[Rule], strict: bool) -> dict[str, list[_Part]]:
     """Param name -> its leaves, by the first rule whose pattern matches each leaf path."""
-    parts: dict[str, list[_Part]] = {}
-    for path, _ in source.items():
+    parts: dict[str, list[_Part]] = defaultdict(list)
+    for path, layout in source.items():
         for rule in rules:
             m = re.fullmatch(rule.pattern, path)
             if m:
-                name = rule.name.format(m.group(0), *m.groups())
-                parts.setdefault(name, []).append(_Part(rule.part, path, rule))
                 break
         else:
             if strict:
                 raise ValueError(
                     f"trainer leaf {path!r} matches no rule; add a Rule for it or pass strict=False to skip it."
                 )
-    return parts
+            continue
+        spec = rule.spec(len(layout.shape))
+        stacked = spec.stacked
+        sizes = [range(layout.shape[spec.leaf.index(n)]) for n in stacked]
+        for idx in itertools.product(*sizes):
+            fields = dict(zip(stacked, idx, strict=True))
+            name = _format(rule, rule.name, m, fields, path, "name")
+            at = None
+            if rule.at is not None:
+                text = _format(rule, str(rule.at), m, fields, path, "at")
+                if not text.isdigit():
+                    raise ValueError(f"Rule {rule.pattern!r}: at {rule.at!r} gives {text!r} for leaf {path!r}; "
+                                     "it must give a non-negative int.")
+                at = int(text)
+            parts[name].append(_Part(rule.part, path, rule, spec, tuple(fields.items()), at))
+    return dict(parts)
 
 
-def _group_params(source: Source, name: str, plist: list[_Part], group: list[int], dtype: str) -> list[Param]:
-    """One param per rank of a TP group: its parts concatenated along the shard dim."""
-    shard = plist[0].rule.shard
-    tp = len(group)
-    per_rank: list[list[Region]] = [[] for _ in range(tp)]
-    cat = 0 if shard is None else shard
-    offsets = [0] * tp
-    other: tuple[int, ...] | None = None
-    for p in plist:
-        shape = source.layout(p.path).shape
-        perm = p.rule.perm(len(shape))
-        tshape = tuple(shape[d] for d in perm)
-        if not 0 <= cat < len(tshape):
-            raise ValueError(f"Rule {p.rule.pattern!r}: shard dim {cat} is out of range for torch shape {tshape}.")
-        rest = tshape[:cat] + tshape[cat + 1:]
-        if other is not None and rest != other:
-            raise ValueError(
-                f"fused param {name!r}: leaf {p.path!r} has torch shape {tshape}, which does not "
-                f"concatenate along dim {cat} with the other parts (other dims {other})."
-            )
-        other = rest
-        if shard is None:
-            split = _Split(tshape[cat], ((0, tshape[cat]),) * tp)
+def _role(v: int | str | None, spec: DimSpec, rule: Rule, arg: str) -> str | None:
+    """The flat name a rule's ``shard``/``ep_shard`` refers to."""
+    if v is None or isinstance(v, str):
+        return v
+    if not 0 <= v < len(spec.param) or len(spec.param[v]) != 1:
+        raise ValueError(f"Rule {rule.pattern!r}: {arg}={v} is not a param dim of one leaf dim "
+                         f"(param dims {spec.param}); name the dim instead.")
+    return spec.param[v][0]
+
+
+class _PartGeom(NamedTuple):
+    """The leaves of one part of a param, the names of their split dims and every dim's split."""
+
+    leaves: list[_Part]
+    splits: dict[str, _Split]
+    tp: str | None
+    ep: str | None
+    concat: str
+    offset: int  # along ``concat``, where this part starts in the param
+
+
+def _part_geom(source: Source, name: str, leaves: list[_Part], rows: int, cols: int, slots: int,
+               offset: int) -> _PartGeom:
+    first = leaves[0]
+    rule, spec = first.rule, first.spec
+    if len(leaves) > 1 and first.at is None:
+        raise ValueError(f"param {name!r} gets two leaves with the same part ({first.path!r}, "
+                         f"{leaves[1].path!r}); number them with part= or place them with dims and at=.")
+    if len({p.at for p in leaves}) != len(leaves):
+        raise ValueError(f"param {name!r}: two leaves of part {first.part} have the same at index; each once.")
+    shape = source.layout(first.path).shape
+    if any(source.layout(p.path).shape != shape for p in leaves):
+        raise ValueError(f"param {name!r}: the leaves of part {first.part} differ in shape; stack equal leaves.")
+    tp, ep = _role(rule.shard, spec, rule, "shard"), _role(rule.ep_shard, spec, rule, "ep_shard")
+    splits: dict[str, _Split] = {}
+    for x in spec.flat:
+        what = f"leaf {first.path!r} -> {name!r} dim {x!r}"
+        if x in spec.new:
+            k = rows if x == ep else 1
+            if slots % k:
+                raise ValueError(f"{what}: {slots} experts do not split evenly over {k} expert-parallel "
+                                 "groups; use a degree dividing the number of experts.")
+            splits[x] = _Split(slots // k, tuple((r * slots // k, (r + 1) * slots // k) for r in range(k)))
+            continue
+        n = shape[spec.leaf.index(x)]
+        if x == tp:
+            splits[x] = _split(n, cols, rule, what)
+        elif x == ep:
+            splits[x] = _split(n, rows, None, what)
         else:
-            split = _split(tshape[cat], tp, p.rule, f"leaf {p.path!r} -> {name!r} dim {cat}")
-        for r, (lo, hi) in enumerate(split.ranges):
-            box = [(0, n) for n in shape]
-            box[perm[cat]] = (lo, hi)
-            offset = [0] * len(tshape)
-            offset[cat] = offsets[r]
-            if hi > lo:
-                per_rank[r].append(Region(p.path, Box(box), tuple(offset), perm))
-            offsets[r] += split.local
-    out = []
-    for r, rank in enumerate(group):
-        local = list(other or ())
-        local.insert(cat, offsets[r])
-        out.append(Param(name, int(rank), tuple(local), dtype, tuple(per_rank[r])))
-    return out
+            splits[x] = _Split(n, ((0, n),))
+    return _PartGeom(leaves, splits, tp, ep, tp or spec.flat[0], offset)
+
+
+def _group_params(source: Source, name: str, plist: list[_Part], grid: list[list[int]], dtype: str) -> list[Param]:
+    """One param per rank of the grid: its parts concatenated along the shard dim, its experts placed."""
+    rows, cols = len(grid), len(grid[0])
+    by_part: dict[int, list[_Part]] = defaultdict(list)
+    for p in plist:
+        by_part[p.part].append(p)
+    slots = max((p.at for p in plist if p.at is not None), default=-1) + 1
+    geoms: list[_PartGeom] = []
+    total = 0
+    for part in sorted(by_part):
+        g = _part_geom(source, name, by_part[part], rows, cols, slots, total)
+        total += g.splits[g.concat].local
+        geoms.append(g)
+    # Every part must give the same local dims but along the concatenated one.
+    keys = set()
+    for g in geoms:
+        spec = g.leaves[0].spec
+        sizes = {x: (total if x == g.concat else s.local) for x, s in g.splits.items()}
+        keys.add((tuple(len(grp) for grp in spec.param), spec.flat.index(g.concat),
+                  tuple(sizes[x] for x in spec.flat)))
+    if len(keys) != 1:
+        raise ValueError(f"fused param {name!r}: its parts give local dims {sorted(k[2] for k in keys)}, which do "
+                         "not concatenate along the shard dim; their rules must agree on every other dim.")
+    spec = geoms[0].leaves[0].spec
+    sizes = {x: (total if x == geoms[0].concat else s.local) for x, s in geoms[0].splits.items()}
+    local_shape = tuple(math.prod(sizes[x] for x in grp) for grp in spec.param)
+    per_rank: list[list[Region]] = [[] for _ in range(rows * cols)]
+    for g in geoms:
+        for r, c in itertools.product(range(rows), range(cols)):
+            for p in g.leaves:
+                region = _region(p, g, total, r, c)
+                if region is not None:
+                    if region.view == local_shape:
+                        region = dataclasses.replace(region, view=None)
+                    per_rank[r * cols + c].append(region)
+    return [Param(name, int(rank), local_shape, dtype, tuple(per_rank[i]))
+            for i, rank in enumerate(itertools.chain(*grid))]
+
+
+def _region(p: _Part, g: _PartGeom, total: int, r: int, c: int) -> Region | None:
+    """The region leaf ``p`` fills on grid rank ``(r, c)``, or None if it fills nothing there."""
+    spec = p.spec
+    box = [(0, 0)] * len(spec.leaf)
+    view: list[int] = []
+    off: list[int] = []
+    perm: list[int] = []
+    for n, k in p.fixed:  # a stacked dim: one index, a size-1 dim of the view
+        d = spec.leaf.index(n)
+        box[d] = (k, k + 1)
+        view.append(1)
+        off.append(0)
+        perm.append(d)
+    carry: tuple[int, int] | None = None  # a new dim's (local size, slot), merged into the next dim
+    for x in spec.flat:
+        s = g.splits[x]
+        lo, hi = s.ranges[r if x == g.ep else c if x == g.tp else 0]
+        if x in spec.new:
+            if p.at is None or not lo <= p.at < hi:
+                return None
+            carry = (s.local, p.at - lo)
+            continue
+        if hi <= lo:
+            return None
+        d = spec.leaf.index(x)
+        box[d] = (lo, hi)
+        size, o = (total, g.offset) if x == g.concat else (s.local, 0)
+        if carry is not None:
+            size, o, carry = carry[0] * size, carry[1] * size + o, None
+        view.append(size)
+        off.append(o)
+        perm.append(d)
+    return Region(p.path, Box(box), tuple(off), tuple(perm), tuple(view))
 
 
 def tp_param_map(source: Source, rules: Sequence[Rule], tp_ranks: Any, *, dtype: Any = "float32",
                  strict: bool = True) -> ParamMap:
-    """Applies rules to every trainer leaf, for one or more tensor-parallel groups.
+    """Applies rules to every trainer leaf, for a grid of inference ranks.
 
     Args:
       source: the trainer leaves.
       rules: the first rule whose pattern matches a leaf path applies.
-      tp_ranks: torch ranks in TP order, or a list of such lists (inference replicas).
+      tp_ranks: torch ranks in TP order (one TP group), or a list of such lists: the rows
+        are inference replicas, or, for rules with ``ep_shard``, expert-parallel groups
+        (row ``r`` holds the ``r``-th block of experts, each split over its row's TP ranks).
       dtype: the dtype of every param whose rule gives none.
       strict: raise if a leaf matches no rule (``False`` skips it).
 
     Raises:
-      ValueError: a leaf matches no rule, a split is uneven, or fused parts disagree.
+      ValueError: a leaf matches no rule, a rule's name does not fit the leaf, a split is
+        uneven, or fused parts disagree (the message names the rule or the leaf).
+
+    Example (one layer of a scanned ``[L, in, out]`` leaf per param):
+      >>> from bridge import Rule, Source, tp_param_map, trainer_mesh
+      >>> from jreshard import Layout
+      >>> src = Source({"mlp/wi": Layout((3, 4, 8), trainer_mesh((2,), "fsdp", [0], 2), (None, "fsdp"))})
+      >>> rule = Rule("mlp/wi", "layers.{L}.up.weight", dims="L i o -> o i", shard="o")
+      >>> m = tp_param_map(src, [rule], tp_ranks=[1, 2])
+      >>> p = [p for p in m.for_rank(2) if p.name == "layers.1.up.weight"][0]
+      >>> p.shape, str(p.regions[0].box), p.regions[0].view
+      ((4, 4), '[1:2, 0:4, 4:8]', (1, 4, 4))
     """
-    groups = _tp_groups(tp_ranks)
-    default = _dtype(dtype)
+    grid = _grid(tp_ranks)
+    default = param_dtype(dtype)
     params = []
     for name, plist in _match(source, rules, strict).items():
-        plist.sort(key=lambda p: p.part)
-        if len({p.part for p in plist}) != len(plist):
-            raise ValueError(f"param {name!r} gets two leaves with the same part; number them.")
-        shards = {p.rule.shard for p in plist}
-        dtypes = {default if p.rule.dtype is None else _dtype(p.rule.dtype, "Rule dtype") for p in plist}
+        shards = {(p.rule.shard, p.rule.ep_shard) for p in plist}
+        dtypes = {default if p.rule.dtype is None else param_dtype(p.rule.dtype, "Rule dtype") for p in plist}
         if len(shards) != 1 or len(dtypes) != 1:
-            raise ValueError(f"fused param {name!r}: its rules must agree on shard and dtype.")
-        (param_dtype,) = dtypes
-        for group in groups:
-            params += _group_params(source, name, plist, group, param_dtype)
-    return ParamMap(params)
-
-
-def _placement(p: Any) -> int | None:
-    """A placement as the sharded torch dim, or None for Replicate."""
-    kind = type(p).__name__
-    if kind == "Shard" or (isinstance(p, tuple) and len(p) == 2 and p[0] == "shard"):
-        return int(p.dim if kind == "Shard" else p[1])
-    if kind == "Replicate" or p == "replicate" or p == ("replicate",):
-        return None
-    raise TypeError(
-        f"placement {p!r} is not supported; use torch.distributed.tensor.Shard(dim) or Replicate() "
-        "(or ('shard', dim) / 'replicate')."
-    )
-
-
-def dtensor_params(name: str, source: Source, leaf: str, mesh_ranks: Any, placements: Sequence[Any],
-                   *, transpose: bool | Sequence[int] = False, dtype: Any = "float32") -> ParamMap:
-    """The params of one DTensor: every rank of its mesh gets its local shard (torch chunk rules).
-
-    Args:
-      name: the param name.
-      source: the trainer leaves; ``leaf`` names the one to read.
-      mesh_ranks: the DeviceMesh's ``mesh`` (an array of global ranks), or the DeviceMesh.
-      placements: one ``Shard(d)``/``Replicate()`` per mesh dim.
-      transpose: as in ``Rule``; the DTensor's global shape is the permuted leaf shape.
-
-    Example:
-      >>> from bridge import Source, dtensor_params, trainer_mesh
-      >>> from jreshard import Layout
-      >>> src = Source({"w": Layout((5, 3), trainer_mesh((2,), "x", [0], 2), ("x",), "float32")})
-      >>> m = dtensor_params("w", src, "w", [[4, 5], [6, 7]], [("shard", 1), "replicate"], transpose=True)
-      >>> [(p.rank, p.shape, str(p.regions[0].box)) for p in m.params]  # doctest: +NORMALIZE_WHITESPACE
-      [(4, (3, 3), '[0:3, 0:3]'), (5, (3, 3), '[0:3, 0:3]'),
-       (6, (3, 2), '[3:5, 0:3]'), (7, (3, 2), '[3:5, 0:3]')]
-    """
-    mesh_arr = getattr(mesh_ranks, "mesh", mesh_ranks)
-    mesh_arr = np.asarray(mesh_arr.tolist() if hasattr(mesh_arr, "tolist") else mesh_arr, dtype=np.int64)
-    if mesh_arr.ndim != len(placements):
-        raise ValueError(
-            f"placements {list(placements)!r} give {len(placements)} entries for a mesh of "
-            f"{mesh_arr.ndim} dims (shape {mesh_arr.shape}); give one per mesh dim."
-        )
-    param_dtype = _dtype(dtype)
-    shape = source.layout(leaf).shape
-    perm = Rule(leaf, name, transpose=transpose if isinstance(transpose, bool) else tuple(transpose)).perm(len(shape))
-    tshape = tuple(shape[p] for p in perm)
-    dims = [_placement(p) for p in placements]
-    for d in dims:
-        if d is not None and not 0 <= d < len(tshape):
-            raise ValueError(f"placement Shard({d}) is out of range for the global shape {tshape}.")
-    params = []
-    for coord in np.ndindex(*mesh_arr.shape):
-        lo, hi = [0] * len(tshape), list(tshape)
-        for axis, d in enumerate(dims):
-            if d is None:
-                continue
-            k, j = mesh_arr.shape[axis], coord[axis]
-            size = hi[d] - lo[d]
-            c = math.ceil(size / k) if size else 0
-            lo[d], hi[d] = lo[d] + min(j * c, size), lo[d] + min((j + 1) * c, size)
-        box = [(0, 0)] * len(shape)
-        for i, p in enumerate(perm):
-            box[p] = (lo[i], hi[i])
-        local = tuple(b - a for a, b in zip(lo, hi, strict=True))
-        regions = (Region(leaf, Box(box), (0,) * len(tshape), perm),) if math.prod(local) else ()
-        params.append(Param(name, int(mesh_arr[coord]), local, param_dtype, regions))
+            raise ValueError(f"fused param {name!r}: its rules must agree on shard, ep_shard and dtype.")
+        (dt,) = dtypes
+        params += _group_params(source, name, plist, grid, dt)
     return ParamMap(params)

@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from bridge._dtensor import dtensor_params
 from bridge._param_map import Param, ParamMap
 from bridge._plan import BridgePlan, Message
-from bridge._rules import dtensor_params
 from bridge._source import Source
 from bridge._wire import RECEIVER, SyncError, check_plan_and_rank, new_arena, run_sync, torch_dtype
 
@@ -65,16 +67,17 @@ dtensor_mapping = dtensor_param_map  # the old name
 
 
 class _Recv(NamedTuple):
-    """One receive of a message: straight into ``param[box]``, or into bytes ``[start, stop)`` of the buffer."""
+    """One receive of a message: straight into ``param.view(view)[box]``, or into buffer bytes ``[start, stop)``."""
 
     param: str | None
     box: tuple[slice, ...] | None
     start: int
     stop: int
+    view: tuple[int, ...] = ()
 
 
 class _Unpack(NamedTuple):
-    """Copy bytes ``[offset, offset + nbytes)`` of the buffer, as ``shape`` of ``dtype``, into ``param[box]``."""
+    """Copy buffer bytes ``[offset, offset + nbytes)``, as ``shape`` of ``dtype``, into ``param.view(view)[box]``."""
 
     param: str
     box: tuple[slice, ...]
@@ -82,6 +85,7 @@ class _Unpack(NamedTuple):
     nbytes: int
     shape: tuple[int, ...]
     dtype: torch.dtype
+    view: tuple[int, ...]
 
 
 class _Steps(NamedTuple):
@@ -168,24 +172,26 @@ class Receiver:
                 t = self.plan.moves[i]
                 box, _ = self.plan.dst_region(t)  # pieces arrive in torch dim order
                 dtype = torch_dtype(self.plan.param(t.param, t.dst).dtype)
-                unpacks.append(_Unpack(t.param, box, off, t.nbytes, tuple(s.stop - s.start for s in box), dtype))
+                unpacks.append(_Unpack(t.param, box, off, t.nbytes, tuple(s.stop - s.start for s in box), dtype,
+                                       self.plan.dst_view(t)))
             recvs, direct = [], set()
             for seg in self.plan.segments(m):
                 if seg.dst_direct and seg.piece is not None:  # straight into the param: no unpacking
                     direct.add(seg.piece)
-                    recvs.append(_Recv(unpacks[seg.piece].param, unpacks[seg.piece].box, 0, 0))
+                    u = unpacks[seg.piece]
+                    recvs.append(_Recv(u.param, u.box, 0, 0, u.view))
                 else:
                     recvs.append(_Recv(None, None, seg.start, seg.stop))
             out[(m.bucket, m.src)] = _Steps(recvs, [u for k, u in enumerate(unpacks) if k not in direct])
         return out
 
     def _recv(self, into: dict[str, torch.Tensor], m: Message, buf: torch.Tensor) -> list[torch.Tensor]:
-        return [buf[r.start:r.stop] if r.param is None else into[r.param][r.box].view(-1).view(torch.uint8)
+        return [buf[r.start:r.stop] if r.param is None else into[r.param].view(r.view)[r.box].view(-1).view(torch.uint8)
                 for r in self._steps[(m.bucket, m.src)].recvs]
 
     def _unpack(self, into: dict[str, torch.Tensor], m: Message, buf: torch.Tensor) -> None:
         for u in self._steps[(m.bucket, m.src)].unpacks:
-            into[u.param][u.box].copy_(buf[u.offset:u.offset + u.nbytes].view(u.dtype).view(u.shape))
+            into[u.param].view(u.view)[u.box].copy_(buf[u.offset:u.offset + u.nbytes].view(u.dtype).view(u.shape))
 
     def sync(self, group: dist.ProcessGroup | None = None) -> int:
         """Receives one sync; returns its version (the trainers' step).
@@ -200,8 +206,8 @@ class Receiver:
                 self._shadow = {k: torch.empty_like(v) for k, v in self.params.items()}
             shadow = self._shadow
             for name, boxes in self._uncovered.items():
-                for box in boxes:
-                    shadow[name][box].copy_(self.params[name][box])
+                for view, box in boxes:
+                    shadow[name].view(view)[box].copy_(self.params[name].view(view)[box])
             into = shadow
         else:
             into = self.params
@@ -231,15 +237,29 @@ class Receiver:
         self._arena = new_arena()
 
 
-def _uncovered(param: Param) -> list[tuple[slice, ...]]:
-    """The boxes of ``param`` that none of its regions covers: cells of the grid cut by the regions."""
+def _uncovered(param: Param) -> list[tuple[tuple[int, ...], tuple[slice, ...]]]:
+    """The boxes of ``param`` that none of its regions covers, each with the view it is given in.
+
+    When every region sees the param through one view: the cells of the grid cut by the
+    regions. Otherwise (parts of a fused param through different views) the runs of
+    uncovered elements of the flat param.
+    """
+    views = {r.view_shape(param.shape) for r in param.regions} or {param.shape}
+    if len(views) > 1:
+        covered = np.zeros(math.prod(param.shape), dtype=bool)
+        for r in param.regions:
+            covered.reshape(r.view_shape(param.shape))[tuple(
+                slice(o, o + n) for o, n in zip(r.offset, r.shape, strict=True))] = True
+        edges = np.flatnonzero(np.diff(np.concatenate([[1], covered.view(np.int8), [1]])))
+        return [((covered.size,), (slice(int(a), int(b)),)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
+    (view,) = views
     cuts = [sorted({0, n, *(r.offset[d] for r in param.regions), *(r.offset[d] + r.shape[d] for r in param.regions)})
-            for d, n in enumerate(param.shape)]
+            for d, n in enumerate(view)]
     out = []
     for cell in itertools.product(*[list(zip(c[:-1], c[1:], strict=True)) for c in cuts]):
         if not any(all(o <= lo and hi <= o + n for (lo, hi), o, n in zip(cell, r.offset, r.shape, strict=True))
                    for r in param.regions):
-            out.append(tuple(slice(lo, hi) for lo, hi in cell))
+            out.append((view, tuple(slice(lo, hi) for lo, hi in cell)))
     return out
 
 

@@ -12,7 +12,7 @@ from bridge._source import Source
 if TYPE_CHECKING:
     from jreshard.nn.config import LlamaConfig
 
-__all__ = ["llama_rules", "llama_param_map"]
+__all__ = ["llama_rules", "llama_param_map", "tie_lm_head"]
 
 
 def llama_rules(config: LlamaConfig, *, fused: bool = False, vocab_pad: int = 64) -> list[Rule]:
@@ -68,8 +68,11 @@ def llama_param_map(config: LlamaConfig, source: Source, tp_ranks: Any, *, fused
       ['[0:256, 512:1000]']
     """
     param_map = tp_param_map(source, llama_rules(config, fused=fused, vocab_pad=vocab_pad), tp_ranks, dtype=dtype)
-    if config.tie_word_embeddings:
-        tied = [dataclasses.replace(p, name="lm_head.weight") for p in param_map.params
-                if p.name == "model.embed_tokens.weight"]
-        param_map = param_map + ParamMap(tied)
-    return param_map
+    return tie_lm_head(param_map) if config.tie_word_embeddings else param_map
+
+
+def tie_lm_head(param_map: ParamMap) -> ParamMap:
+    """Adds ``lm_head.weight``, filled from the embedding as ``model.embed_tokens.weight`` is on each rank."""
+    tied = [dataclasses.replace(p, name="lm_head.weight") for p in param_map.params
+            if p.name == "model.embed_tokens.weight"]
+    return param_map + ParamMap(tied)
