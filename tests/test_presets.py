@@ -213,10 +213,21 @@ def test_parse_degrees_with_gpus():
     (lambda: presets.train_layouts(catalog.tensors(TINY_MOE), TrainParallel(ep=3), range(3)), ValueError, "ep=3"),
     (lambda: presets.train_layouts(TINY, InferParallel(), range(1)), TypeError, "TrainParallel"),
     (lambda: presets.parse_parallel("tp=x", "train"), ValueError, "tp=x"),
+    (lambda: presets.train_layouts(catalog.tensors(TINY_MOE), TrainParallel(ep=2, fsdp=2), range(2)), ValueError,
+     "a pipeline stage of 2 devices cannot hold ep\\*fsdp\\*expert_tp = 4"),
+    (lambda: presets.infer_layouts(catalog.tensors(ODD_MOE), InferParallel(tp=2, dp=2, expert_tp=4), range(4)),
+     ValueError, "expert_tp=4 on .*experts.0.gate_proj.weight: dim 0 of size 6 does not split evenly over 4"),
 ])
 def test_errors(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+def test_experts_whole_under_ep_need_not_split_by_tp():
+    # ODD_MOE's intermediate dim (6) does not split 4 ways; with ep the experts stay whole on their rank.
+    dst = presets.infer_layouts(catalog.tensors(ODD_MOE), InferParallel(tp=4, ep=4), range(4))
+    gate = dst["model.layers.0.mlp.experts.1.gate_proj.weight"]
+    assert gate.mesh.device_ids == (1,) and box(gate, 1) == ((0, 6), (0, 16))
 
 
 def test_parse_parallel_and_docstrings():

@@ -28,6 +28,18 @@ def test_kimi_and_qwen_moe_degrees():
     assert q.train.world(q.train_gpus) == (16, 4, 1)  # stage 16, dense replicas 4, expert replicas 1
 
 
+def test_expert_degrees_in_scenario_files():
+    s = load_scenario({"model": "qwen3-moe-tiny", "train": {"ep": 4, "fsdp": 2, "tp": 2},
+                       "infer": {"tp": 2, "dp": 4, "ep": 4, "expert_tp": 2}, "hardware": "dgx-h100"})
+    # Experts take ep*fsdp*expert_tp = 8 devices, dense weights fsdp*tp = 4: a stage of lcm = 8.
+    assert (s.train_gpus, s.infer_gpus, s.train.world(8)) == (8, 8, (8, 2, 1))
+    src, dst = s.layouts(experts="stacked")
+    gate = "model.layers.0.mlp.experts.gate_proj.weight"
+    assert src[gate].spec == (("ep", "fsdp"), None, None) and dst[gate].spec == ("ep", "etp", None)
+    dsv3 = load_scenario("dsv3-ep16pp8-to-tp8dp16")
+    assert (dsv3.published["moe_layer_reshard_s"], dsv3.published["moe_layer_flat_direct_sends_s"]) == (0.0098, 0.0773)
+
+
 BASE = {"model": "llama-tiny", "train": {"gpus": 8, "tp": 2, "pp": 2, "dp": 2},
         "infer": {"gpus": 8, "tp": 4, "dp": 2}, "hardware": "dgx-h100", "dtype": "float32"}
 
@@ -70,6 +82,8 @@ ERRORS = [
     ("training tp above the KV heads", {**BASE, "train": {"gpus": 8, "tp": 8}},
      "field 'train': tp=8 on model.layers.0.self_attn.k_proj.weight"),
     ("ep without experts", {**BASE, "infer": {"gpus": 8, "tp": 4, "dp": 2, "ep": 2}}, "field 'infer': ep=2 .*use ep=1"),
+    ("expert_tp does not fit", {**BASE, "infer": {"gpus": 6, "tp": 2, "dp": 3, "expert_tp": 4}},
+     "field 'infer': inference ep\\*expert_tp = 4 does not divide 6 devices"),
 ]
 
 
