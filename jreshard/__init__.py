@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from jreshard.core import reference
+from jreshard.core import planner as _planner, reference
 from jreshard.core.layout import Box, Layout
 from jreshard.core.mesh import Mesh
-from jreshard.core import planner as _planner
 from jreshard.core.planner import (
     Move,
+    MoveArrays,
     Plan,
     PlanError,
     PlanStats,
@@ -31,6 +31,7 @@ __all__ = [
     "Layout",
     "Mesh",
     "Move",
+    "MoveArrays",
     "Plan",
     "PlanError",
     "PlanStats",

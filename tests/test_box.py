@@ -62,10 +62,12 @@ BOX_ERRORS = [
     ("bool bound", lambda: Box([(True, 2)]), TypeError, r"box dim 0 lower bound must be an int, got bool"),
     ("open slice", lambda: Box([slice(None, 3)]), ValueError, r"box dim 0 is slice\(None, 3, None\); give both bounds"),
     ("step", lambda: Box([slice(0, 4, 2)]), ValueError, r"box dim 0 has step 2"),
-    ("lo above hi", lambda: Box([(0, 1), (3, 2)]), ValueError, r"box dim 1 is \[3, 2\); bounds must satisfy 0 <= lo <= hi"),
+    ("lo above hi", lambda: Box([(0, 1), (3, 2)]), ValueError,
+     r"box dim 1 is \[3, 2\); bounds must satisfy 0 <= lo <= hi"),
     ("negative", lambda: Box([(-1, 2)]), ValueError, r"box dim 0 is \[-1, 2\)"),
     ("bounds of unequal length", lambda: Box.from_bounds((0,), (1, 2)), ValueError, r"one bound per dim"),
-    ("intersect other ndim", lambda: Box([(0, 1)]).intersect(Box([(0, 1), (0, 1)])), ValueError, r"1-dim box with a 2-dim box"),
+    ("intersect other ndim", lambda: Box([(0, 1)]).intersect(Box([(0, 1), (0, 1)])), ValueError,
+     r"1-dim box with a 2-dim box"),
     ("split limit", lambda: split_box(Box([(0, 4)]), 4, 0), ValueError, r"positive byte counts, got 4 and 0"),
     ("split itemsize type", lambda: split_box(Box([(0, 4)]), 4.0, 8), TypeError, r"itemsize must be an int"),
 ]
@@ -90,7 +92,7 @@ def test_split_box_covers_once_contiguously_under_the_limit(dims, itemsize, limi
     flat = [grid[part.relative_to(box).slices()].ravel() for part in parts]
     covered = np.concatenate(flat) if flat else np.zeros(0, np.int64)
     np.testing.assert_array_equal(covered, np.arange(box.size))  # once, in row-major order
-    for part, idx in zip(parts, flat):
+    for part, idx in zip(parts, flat, strict=True):
         assert box.contains(part)
         assert part.size * itemsize <= limit or part.size == 1 or box.empty
         if len(idx):

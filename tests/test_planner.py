@@ -35,14 +35,17 @@ NAMED = [
     ("sharded to replicated", Layout((6, 4), M2, (("dp", "tp"),)), Layout((6, 4), M2B, ())),
     ("cross dim", Layout((8, 8), M2, ("dp", None)), Layout((8, 8), M2B, (None, "dp"))),
     ("3d mesh multi-axis", Layout((8, 6), M3, (("dp", "fsdp"), "tp")), Layout((8, 6), M2B, ("tp", "dp"))),
-    ("4d mesh to 4d mesh", Layout((8, 8, 4), M4, (("pp", "fsdp"), "tp")), Layout((8, 8, 4), M4B, ("a", ("b", "c"), "d"))),
+    ("4d mesh to 4d mesh",
+     Layout((8, 8, 4), M4, (("pp", "fsdp"), "tp")), Layout((8, 8, 4), M4B, ("a", ("b", "c"), "d"))),
     ("uneven both sides", Layout((7, 5), M1, ("x", None)), Layout((7, 5), M2B, ("tp", "dp"))),
     ("more shards than elements", Layout((3,), M1, ("x",)), Layout((3,), M4B, (("a", "b", "c"),))),
     ("overlapping device sets", Layout((8, 4), mesh((4,), ("x",), first=2), ("x",)), Layout((8, 4), M2, (None, "tp"))),
     ("0-d tensor", Layout((), M2, ()), Layout((), M1B, ())),
     ("0-d tensor colocated", Layout((), M2, ()), Layout((), M2, ())),
     ("size-0 tensor", Layout((0, 4), M1, ("x",)), Layout((0, 4), M2B, (None, "tp"))),
-    ("rank 5", Layout((2, 3, 4, 5, 6), M3, ("dp", None, "fsdp", None, "tp")), Layout((2, 3, 4, 5, 6), M2B, (None, "tp", None, "dp"))),
+    ("rank 5",
+     Layout((2, 3, 4, 5, 6), M3, ("dp", None, "fsdp", None, "tp")),
+     Layout((2, 3, 4, 5, 6), M2B, (None, "tp", None, "dp"))),
     ("fsdp to tp x dp", Layout((16, 8), M1, ("x",), "float32"), Layout((16, 8), M2B, (None, "tp"), "float32")),
     ("replicas to replicas", Layout((8, 8), M2, (None, "tp")), Layout((8, 8), M2B, ("tp",))),
 ]
@@ -158,7 +161,8 @@ def test_tensor_plan_printing():
 
 def test_check_catches_a_broken_plan():
     tp = plan(Layout((8,), M1, ("x",)), Layout((8,), M1B, ("x",)))
-    broken = jreshard.TensorPlan(tp.src, tp.dst, 1, tp.move_src[:-1], tp.move_dst[:-1], tp.move_lo[:-1], tp.move_hi[:-1], 0, 0)
+    broken = jreshard.TensorPlan(tp.src, tp.dst, 1, tp.move_src[:-1], tp.move_dst[:-1], tp.move_lo[:-1],
+                                 tp.move_hi[:-1], 0, 0)
     with pytest.raises(jreshard.PlanError, match="written 0 times"):
         broken.check()
     wrong_src = jreshard.TensorPlan(tp.src, tp.dst, 1, (tp.move_src + 1) % 4, tp.move_dst, tp.move_lo, tp.move_hi, 0, 0)
@@ -167,12 +171,17 @@ def test_check_catches_a_broken_plan():
 
 
 PLAN_ERRORS = [
-    ("shapes differ", lambda: plan(Layout((4,), M1, ()), Layout((5,), M1B, ())), ValueError, r"different shapes \(4,\) and \(5,\)"),
-    ("leaf not a layout", lambda: plan({"a": 3}, {"a": Layout((4,), M1, ())}), TypeError, r"src at 'a' must be a jreshard.Layout"),
-    ("dst leaf not a layout", lambda: plan({"a": Layout((4,), M1, ())}, {"a": "x"}), TypeError, r"dst at 'a' must be a jreshard.Layout"),
-    ("pytrees differ", lambda: plan({"a": Layout((4,), M1, ())}, {"b": Layout((4,), M1, ())}), ValueError, r"same structure"),
+    ("shapes differ", lambda: plan(Layout((4,), M1, ()), Layout((5,), M1B, ())), ValueError,
+     r"different shapes \(4,\) and \(5,\)"),
+    ("leaf not a layout", lambda: plan({"a": 3}, {"a": Layout((4,), M1, ())}), TypeError,
+     r"src at 'a' must be a jreshard.Layout"),
+    ("dst leaf not a layout", lambda: plan({"a": Layout((4,), M1, ())}, {"a": "x"}), TypeError,
+     r"dst at 'a' must be a jreshard.Layout"),
+    ("pytrees differ", lambda: plan({"a": Layout((4,), M1, ())}, {"b": Layout((4,), M1, ())}), ValueError,
+     r"same structure"),
     ("pytree vs leaf", lambda: plan([Layout((4,), M1, ())], Layout((4,), M1, ())), ValueError, r"same structure"),
-    ("tree shapes differ", lambda: plan({"w": Layout((4,), M1, ())}, {"w": Layout((2, 2), M1, ())}), ValueError, r"at 'w' have different shapes"),
+    ("tree shapes differ", lambda: plan({"w": Layout((4,), M1, ())}, {"w": Layout((2, 2), M1, ())}), ValueError,
+     r"at 'w' have different shapes"),
 ]
 
 
@@ -198,8 +207,11 @@ def test_core_planner_does_not_import_jax():
     import subprocess
     import sys
 
-    code = "import sys, jreshard; jreshard.plan(jreshard.Layout((4,), jreshard.Mesh([0], 'x'), ()), " \
-           "jreshard.Layout((4,), jreshard.Mesh([1], 'x'), ())); print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'torch')))"
+    code = (
+        "import sys, jreshard; jreshard.plan(jreshard.Layout((4,), jreshard.Mesh([0], 'x'), ()), "
+        "jreshard.Layout((4,), jreshard.Mesh([1], 'x'), ())); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'torch')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -207,3 +219,51 @@ def test_core_planner_does_not_import_jax():
 def test_plan_keyword_arguments_apply_to_jax_only():
     with pytest.raises(TypeError, match=r"unexpected arguments \['mesh'\]; they apply to jax arrays only"):
         plan(Layout((4,), M1, ()), Layout((4,), M1B, ()), mesh=M1)
+
+
+def _pair_totals(src, dst, nbytes, moves):
+    totals: dict[tuple[int, int], list[int]] = {}
+    for s, d, b, n in zip(src.tolist(), dst.tolist(), nbytes.tolist(), moves.tolist(), strict=True):
+        t = totals.setdefault((s, d), [0, 0])
+        t[0] += b
+        t[1] += n
+    return totals
+
+
+def test_move_arrays_total_every_tensors_moves():
+    # Senders fixed by the meshes (three tensors share one row set), replicas balanced and split,
+    # 0-d and size-0 tensors, and a cast: per pair, the plan's rows carry what the moves carry.
+    row_to_col = (Layout((8, 8), M1, ("x",), "float32"), Layout((8, 8), M1B, (None, "x"), "float32"))
+    pairs = {f"layer{i}": row_to_col for i in range(3)}
+    pairs["split"] = (Layout((8, 4), M2, ()), Layout((8, 4), Mesh([9], ("x",)), ()))
+    pairs["scalar"] = (Layout((), M2, ()), Layout((), M1B, ()))
+    pairs["empty"] = (Layout((0, 4), M1, ("x",)), Layout((0, 4), M2B, (None, "tp")))
+    pairs["cast"] = (Layout((8, 4), M1, ("x",), "float32"), Layout((8, 4), M1B, (), "bfloat16"))
+    p = plan({k: s for k, (s, _) in pairs.items()}, {k: d for k, (_, d) in pairs.items()})
+    want: dict[tuple[int, int], list[int]] = {}
+    for tp in p.tensors.values():
+        for m in tp.moves:
+            t = want.setdefault((m.src, m.dst), [0, 0])
+            t[0] += m.size * tp.itemsize
+            t[1] += 1
+    rows = p.move_arrays()
+    assert all(a.dtype == np.int64 for a in rows)
+    assert _pair_totals(*rows) == want
+    assert len(rows.src) < sum(rows.moves) and rows.moves.max() == 3  # the three layers share rows
+    s = p.stats()
+    assert s.moves + s.local_moves == int(rows.moves.sum())
+    assert s.network_bytes == int(rows.nbytes[rows.src != rows.dst].sum())
+
+
+def test_tensor_move_arrays_are_its_moves():
+    tp = plan(Layout((8, 4), M2, (), "bfloat16"), Layout((8, 4), Mesh([9], ("x",)), (), "bfloat16"))
+    rows = tp.move_arrays()
+    assert [(m.src, m.dst, m.size * 2) for m in tp.moves] == list(
+        zip(rows.src.tolist(), rows.dst.tolist(), rows.nbytes.tolist(), strict=True)
+    )
+    assert rows.moves.tolist() == [1] * len(tp.moves)
+
+
+def test_move_arrays_of_an_empty_plan():
+    rows = plan({}, {}).move_arrays()
+    assert [len(a) for a in rows] == [0, 0, 0, 0]

@@ -127,9 +127,12 @@ class Box(tuple):
 
     def relative_to(self, outer: Sequence[slice]) -> Box:
         """This box in the coordinates of ``outer`` (a shard that contains it)."""
-        if len(outer) != len(self) or not all(o.start <= a.start and a.stop <= o.stop for a, o in zip(self, outer, strict=True)):
+        if len(outer) != len(self) or not all(
+            o.start <= a.start and a.stop <= o.stop for a, o in zip(self, outer, strict=True)
+        ):
             raise ValueError(f"box {self} does not lie inside {Box(outer)}.")
-        return tuple.__new__(Box, [slice(a.start - o.start, a.stop - o.start) for a, o in zip(self, outer, strict=True)])
+        pairs = zip(self, outer, strict=True)
+        return tuple.__new__(Box, [slice(a.start - o.start, a.stop - o.start) for a, o in pairs])
 
     def __str__(self) -> str:
         return "[" + ", ".join(f"{s.start}:{s.stop}" for s in self) + "]"

@@ -53,7 +53,7 @@ def canonical_dtype(dtype: Any, *, arg: str = "dtype") -> str | None:
     return _resolve(dtype, arg).name
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _itemsize(name: str) -> int:
     return _resolve(name, "dtype").itemsize
 

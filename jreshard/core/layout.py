@@ -282,10 +282,11 @@ class Layout:
         box = _parse_box(box, self.shape)
         lo = np.array([s.start for s in box], dtype=np.int64)
         hi = np.array([s.stop for s in box], dtype=np.int64)
+        if (hi <= lo).any():
+            return self.mesh.device_ids  # every shard contains an empty box
         g = self.grid
-        empty = (hi <= lo).any()
-        inside = ((g.start <= lo) & (g.stop >= hi)).all(axis=1) if not empty else np.ones(self.mesh.size, bool)
-        return tuple(d for d, ok in zip(self.mesh.device_ids, inside, strict=True) if ok)
+        inside = np.flatnonzero(((g.start <= lo) & (g.stop >= hi)).all(axis=1))
+        return tuple(self.mesh.device_ids[i] for i in inside.tolist())
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Layout):

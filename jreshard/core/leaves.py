@@ -14,10 +14,10 @@ from typing import NamedTuple
 import numpy as np
 
 from jreshard.core.balance import Choice, Split, balance_senders
-from jreshard.core.layout import Layout, _grid, _Grid
+from jreshard.core.layout import Layout, _Grid, _grid
 from jreshard.core.mesh import Mesh
 from jreshard.core.pieces import GridKey, Pieces, grid_key, pieces
-from jreshard.core.rows import IN_ORDER, GroupRows, LeafRange, pair_order, presorted_rows
+from jreshard.core.rows import IN_ORDER, ArrayRows, GroupRows, LeafRange, PairRows, pair_order, presorted_rows
 
 __all__ = ["Leaf", "plan_leaves"]
 
@@ -36,7 +36,7 @@ class GroupKey(NamedTuple):
     dst: GridKey
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class _Stage:
     """A group after step 2: per mesh pair c, each piece's receiver and first sender."""
 
@@ -50,9 +50,13 @@ class _Stage:
     local_c: np.ndarray  # [C, M] whether the receiver holds the piece already
     lower: dict[int, int]
     naive: dict[int, int]
-    # Tiled [T*M] rows, built only where replicas are chosen per row.
-    psrc: np.ndarray | None = None
-    pdst: np.ndarray | None = None
+
+
+class _Chosen(NamedTuple):
+    """Senders picked in step 3: ``src[i]`` sends row ``rows[i]`` of the group's tiled rows."""
+
+    rows: np.ndarray
+    src: np.ndarray
 
 
 def plan_leaves(leaves: list[Leaf], balance: bool = True) -> tuple[list[GroupRows], list[LeafRange]]:
@@ -75,22 +79,22 @@ def plan_leaves(leaves: list[Leaf], balance: bool = True) -> tuple[list[GroupRow
 
     # Step 3: choose replicas across all groups at once.
     splits: dict[int, list[Split]] = {}
+    chosen: dict[int, _Chosen] = {}
     if choices:
         fsrc = np.fromiter(fixed_load.keys(), dtype=np.int64, count=len(fixed_load))
         fbytes = np.fromiter(fixed_load.values(), dtype=np.float64, count=len(fixed_load))
         assigned, splits = balance_senders(choices, fsrc, fbytes, balance)
-        for c, chosen in zip(choices, assigned, strict=True):
-            stages[c.group].psrc[c.rows] = chosen
-    chosen_groups = {c.group for c in choices}
+        for c, senders in zip(choices, assigned, strict=True):
+            chosen[c.group] = _Chosen(c.rows, senders)
 
     results: list[GroupRows] = []
-    index: list[LeafRange | None] = [None] * len(leaves)
+    ranges: dict[int, LeafRange] = {}
     for gi, stage in enumerate(stages):
-        rows, bounds = _assemble(stage, gi in chosen_groups, splits.get(gi))
+        rows, bounds = _assemble(stage, chosen.get(gi), splits.get(gi))
         for k, m in enumerate(stage.members):
-            index[m] = LeafRange(gi, int(bounds[k]), int(bounds[k + 1]))
+            ranges[m] = LeafRange(gi, int(bounds[k]), int(bounds[k + 1]))
         results.append(rows)
-    return results, index  # type: ignore[return-value]
+    return results, [ranges[i] for i in range(len(leaves))]
 
 
 def _mesh_table(meshes: list[Mesh]) -> tuple[np.ndarray, np.ndarray]:
@@ -141,7 +145,10 @@ def _lacking(sgrid: _Grid, dgrid: _Grid, dst_src_pos: np.ndarray, ndim: int) -> 
     at = np.maximum(dst_src_pos, 0)
     own_lo = np.maximum(dgrid.start[None], np.where(held, sgrid.start[at], 0))
     own_hi = np.minimum(dgrid.stop[None], np.where(held, sgrid.stop[at], 0))
-    own = np.prod(np.maximum(own_hi - own_lo, 0), axis=2, dtype=np.int64) if ndim else (dst_src_pos >= 0).astype(np.int64)
+    if ndim:
+        own = np.prod(np.maximum(own_hi - own_lo, 0), axis=2, dtype=np.int64)
+    else:
+        own = (dst_src_pos >= 0).astype(np.int64)
     return (dvol[None] - own).sum(axis=1), dvol
 
 
@@ -166,7 +173,7 @@ def _stage(key: GroupKey, members: list[int], leaves: list[Leaf]) -> _Stage:
     first = src_ids[:, sgrid.groups[p.src_shard, 0]] if M else pdst_c
     psrc_c = np.where(local_c, pdst_c, first)
     return _Stage(members, p, src_ids, itemsize, inv, pdst_c, psrc_c, local_c,
-                  dict(zip(members, lacking.tolist())), dict(zip(members, naive.tolist())))
+                  dict(zip(members, lacking.tolist(), strict=True)), dict(zip(members, naive.tolist(), strict=True)))
 
 
 def _choice(gi: int, stage: _Stage, key: GroupKey) -> Choice | None:
@@ -174,9 +181,6 @@ def _choice(gi: int, stage: _Stage, key: GroupKey) -> Choice | None:
     p, inv = stage.pieces, stage.inv
     groups = _grid(key.shape, *key.src).groups  # [num src shards, R]
     M, R = len(p.dst_pos), groups.shape[1]
-    if R > 1 or not M:
-        stage.pdst = stage.pdst_c[inv].ravel()
-        stage.psrc = stage.psrc_c[inv].ravel()
     if R == 1 or not M:
         return None
     free = ~stage.local_c[inv].ravel()
@@ -191,7 +195,7 @@ def _choice(gi: int, stage: _Stage, key: GroupKey) -> Choice | None:
     table = stage.src_ids[(uniq // n_shards)[:, None], groups[uniq % n_shards]]
     T = len(stage.members)
     nbytes = (np.tile(p.vol, T) * np.repeat(stage.itemsize, M))[rows]
-    return Choice(gi, rows, table, cls.ravel(), nbytes, stage.pdst[rows], p)
+    return Choice(gi, rows, table, cls.ravel(), nbytes, stage.pdst_c[inv[rows // M], rows % M], p)
 
 
 def _add_fixed_load(stage: _Stage, fixed_load: dict[int, float]) -> None:
@@ -213,47 +217,58 @@ def _frozen(*arrays: np.ndarray) -> None:
         a.setflags(write=False)
 
 
-def _assemble(stage: _Stage, chosen: bool, splits: list[Split] | None) -> tuple[GroupRows, np.ndarray]:
+class _Tiled(NamedTuple):
+    """A group's rows tiled over its tensors, unsorted: sender and receiver of each [T*M]."""
+
+    src: np.ndarray
+    dst: np.ndarray
+
+
+def _assemble(stage: _Stage, chosen: _Chosen | None, splits: list[Split] | None) -> tuple[GroupRows, np.ndarray]:
     """A group's rows sorted by (tensor, dst, src, box), and each tensor's row bounds [T + 1]."""
     p, T, M = stage.pieces, len(stage.members), len(stage.pieces.dst_pos)
-    if splits is None and M and not chosen:
+    if chosen is None and splits is None and M:
         # Senders fixed by the mesh pair: keep one sorted row set per pair.
         perms = pair_order(p, stage.pdst_c, stage.psrc_c)
         take = (lambda x: x) if perms is None else (lambda x: np.take_along_axis(x, perms, axis=1))
         ps, pd = take(stage.psrc_c), take(stage.pdst_c)
         _frozen(ps, pd, stage.inv, stage.itemsize)
-        rows = GroupRows(stage.lower, stage.naive, pieces=p, perm=perms, psrc=ps, pdst=pd,
-                         inv=stage.inv, itemsize=stage.itemsize)
-        return rows, np.arange(T + 1) * M
+        pair_rows = PairRows(stage.lower, stage.naive, pieces=p, perm=perms, psrc=ps, pdst=pd,
+                             inv=stage.inv, itemsize=stage.itemsize)
+        return pair_rows, np.arange(T + 1) * M
+    # Senders chosen per row: tile the pairs' rows over the tensors [T*M].
+    tiled = _Tiled(stage.psrc_c[stage.inv].ravel(), stage.pdst_c[stage.inv].ravel())
+    if chosen is not None:
+        tiled.src[chosen.rows] = chosen.src
     if splits is None and M:
         order = presorted_rows(p, stage.inv, stage.pdst_c)
         if order is not None:
-            return _presorted_group(stage, order), np.arange(T + 1) * M
-    return _general_group(stage, splits or [])
+            return _presorted_group(stage, tiled, order), np.arange(T + 1) * M
+    return _general_group(stage, tiled, splits or [])
 
 
-def _presorted_group(stage: _Stage, order: np.ndarray) -> GroupRows:
+def _presorted_group(stage: _Stage, tiled: _Tiled, order: np.ndarray) -> ArrayRows:
     p, T, M, itemsize = stage.pieces, len(stage.members), len(stage.pieces.dst_pos), stage.itemsize
     uniform = bool((itemsize == itemsize[0]).all())
     if order is IN_ORDER:
-        s, d = stage.psrc, stage.pdst
+        s, d = tiled.src, tiled.dst
         nbytes = np.tile(p.vol * int(itemsize[0]), T) if uniform else np.tile(p.vol, T) * np.repeat(itemsize, M)
         lo, hi = np.tile(p.lo, (T, 1)), np.tile(p.hi, (T, 1))
     else:
-        s, d = stage.psrc[order], stage.pdst[order]
+        s, d = tiled.src[order], tiled.dst[order]
         piece = order % M
         vol = p.vol[piece]
         nbytes = vol * int(itemsize[0]) if uniform else vol * np.repeat(itemsize, M)
         lo, hi = p.lo[piece], p.hi[piece]
     _frozen(s, d, nbytes)
-    return GroupRows(stage.lower, stage.naive, s, d, nbytes, lo, hi)
+    return ArrayRows(stage.lower, stage.naive, s, d, nbytes, lo, hi)
 
 
-def _general_group(stage: _Stage, splits: list[Split]) -> tuple[GroupRows, np.ndarray]:
+def _general_group(stage: _Stage, tiled: _Tiled, splits: list[Split]) -> tuple[ArrayRows, np.ndarray]:
     """Rows built and sorted one by one: split rows, or orders that depend on the senders."""
     p, T, M = stage.pieces, len(stage.members), len(stage.pieces.dst_pos)
     lo, hi = np.tile(p.lo, (T, 1)), np.tile(p.hi, (T, 1))
-    t, s, d = np.repeat(np.arange(T, dtype=np.int64), M), stage.psrc, stage.pdst
+    t, s, d = np.repeat(np.arange(T, dtype=np.int64), M), tiled.src, tiled.dst
     if splits:
         # An original row shrinks in place, a split-off part is a new row.
         for e in splits:
@@ -274,4 +289,4 @@ def _general_group(stage: _Stage, splits: list[Split]) -> tuple[GroupRows, np.nd
     t, s, d, lo, hi, vol = t[order], s[order], d[order], lo[order], hi[order], vol[order]
     nbytes = vol * stage.itemsize[t]
     _frozen(s, d, lo, hi, nbytes)
-    return GroupRows(stage.lower, stage.naive, s, d, nbytes, lo, hi), np.searchsorted(t, np.arange(T + 1))
+    return ArrayRows(stage.lower, stage.naive, s, d, nbytes, lo, hi), np.searchsorted(t, np.arange(T + 1))

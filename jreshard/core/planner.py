@@ -28,11 +28,11 @@ from jreshard.core.dtypes import itemsize_of
 from jreshard.core.layout import Layout, _grid
 from jreshard.core.leaves import Leaf, plan_leaves
 from jreshard.core.pieces import pieces
-from jreshard.core.plans import Move, Plan, TensorPlan
+from jreshard.core.plans import Move, MoveArrays, Plan, TensorPlan
 from jreshard.core.stats import PlanStats, format_amount
 from jreshard.core.tree import TreeDef, _sorted_keys, describe, flatten, path_str
 
-__all__ = ["Move", "TensorPlan", "Plan", "PlanStats", "plan", "plan_layouts", "PlanError", "clear_cache",
+__all__ = ["Move", "MoveArrays", "TensorPlan", "Plan", "PlanStats", "plan", "plan_layouts", "PlanError", "clear_cache",
            "check_tensor_plan"]
 
 _fmt = format_amount  # the old private name, still imported by some callers

@@ -11,14 +11,14 @@ import numpy as np
 from jreshard.core.box import Box
 from jreshard.core.check import PlanError, check_tensor_plan
 from jreshard.core.layout import Layout
-from jreshard.core.rows import GroupRows, LeafRange
+from jreshard.core.rows import GroupRows, LeafRange, MoveArrays
 from jreshard.core.stats import PlanStats, format_amount, plan_stats
 from jreshard.core.tree import path_str
 
 if TYPE_CHECKING:
     from jreshard.core.leaves import Leaf
 
-__all__ = ["Move", "TensorPlan", "Plan"]
+__all__ = ["Move", "MoveArrays", "TensorPlan", "Plan"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -100,6 +100,18 @@ class TensorPlan:
         if not self.src.ndim:
             return np.full(len(self.move_src), self.itemsize, np.int64)
         return np.prod(self.move_hi - self.move_lo, axis=1, dtype=np.int64) * self.itemsize
+
+    def move_arrays(self) -> MoveArrays:
+        """The moves as parallel arrays (sender, receiver, bytes), one row per move.
+
+        Example:
+          >>> from jreshard import Layout, Mesh, plan
+          >>> src = Layout((4,), Mesh([0, 1], "x"), ("x",), "float32")
+          >>> rows = plan(src, Layout((4,), Mesh([2], "y"), (), "float32")).move_arrays()
+          >>> rows.src.tolist(), rows.dst.tolist(), rows.nbytes.tolist(), rows.moves.tolist()
+          ([0, 1], [2, 2], [8, 8], [1, 1])
+        """
+        return MoveArrays(self.move_src, self.move_dst, self.move_bytes, np.ones(len(self.move_src), np.int64))
 
     @property
     def unit(self) -> str:
@@ -194,16 +206,35 @@ class Plan:
     def items(self) -> ItemsView[str, TensorPlan]:
         return self.tensors.items()
 
+    def move_arrays(self) -> MoveArrays:
+        """Every tensor's moves as parallel arrays (sender, receiver, bytes, moves per row).
+
+        Reads the plan's compact rows without building a TensorPlan per tensor: where
+        the meshes fix the senders, one row stands for the same move of every tensor
+        that shares a shape and layouts (``moves`` says how many, ``nbytes`` sums them).
+        Totals per device or per (sender, receiver) pair equal those of the tensors'
+        own ``move_arrays``.
+
+        Example:
+          >>> from jreshard import Layout, Mesh, plan
+          >>> src = Layout((4,), Mesh([0, 1], "x"), ("x",), "float32")
+          >>> dst = Layout((4,), Mesh([2], "y"), (), "float32")
+          >>> rows = plan({"b": src, "w": src}, {"b": dst, "w": dst}).move_arrays()
+          >>> rows.src.tolist(), rows.dst.tolist(), rows.nbytes.tolist(), rows.moves.tolist()
+          ([0, 1], [2, 2], [16, 16], [2, 2])
+        """
+        if not self._groups:
+            empty = np.zeros(0, np.int64)
+            return MoveArrays(empty, empty, empty, empty)
+        parts = [g.move_arrays() for g in self._groups]
+        return MoveArrays(*(np.concatenate(column) for column in zip(*parts, strict=True)))
+
     def stats(self) -> PlanStats:
         if self._stats is None:
-            if self._groups:
-                parts = [g.compressed() for g in self._groups]
-                src, dst, nb, count = (np.concatenate([p[k] for p in parts]) for k in range(4))
-            else:
-                src = dst = nb = count = np.zeros(0, np.int64)
+            src, dst, nb, moves = self.move_arrays()
             lower = sum(sum(g.lower.values()) for g in self._groups)
             naive = sum(sum(g.naive.values()) for g in self._groups)
-            self._stats = plan_stats(src, dst, nb, lower, naive, _unit(self.layouts), count)
+            self._stats = plan_stats(src, dst, nb, lower, naive, _unit(self.layouts), moves)
         return self._stats
 
     def check(self) -> None:

@@ -2,6 +2,8 @@
 
 A group is the tensors that share a shape and a pair of grids. Its rows are
 sorted by (tensor, receiver, sender, box), so each tensor is a contiguous range.
+A group is one of two kinds (``GroupRows``): ``ArrayRows`` hold every row, and
+``PairRows`` hold one row set per mesh pair where the mesh pair fixes the senders.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import numpy as np
 
 from jreshard.core.pieces import Pieces
 
-__all__ = ["GroupRows", "LeafRange", "MoveRows", "pair_order", "presorted_rows", "IN_ORDER"]
+__all__ = ["ArrayRows", "GroupRows", "LeafRange", "MoveArrays", "MoveRows", "PairRows", "pair_order",
+           "presorted_rows", "IN_ORDER"]
 
 
 class LeafRange(NamedTuple):
@@ -33,88 +36,86 @@ class MoveRows(NamedTuple):
     hi: np.ndarray
 
 
-class CompressedRows(NamedTuple):
-    """Rows of equal sender and receiver merged: bytes summed, ``count`` moves per row."""
+class MoveArrays(NamedTuple):
+    """A plan's moves as parallel arrays, one row per sender, receiver and bytes.
 
+    A row stands for ``moves[i]`` moves from ``src[i]`` to ``dst[i]`` that carry
+    ``nbytes[i]`` bytes together (elements when the layouts have no dtype). Rows
+    with ``src == dst`` are local copies. Several rows may share a sender and a
+    receiver; sum over them for per-pair totals.
+    """
+
+    src: np.ndarray  # int64 device ids
+    dst: np.ndarray  # int64 device ids
+    nbytes: np.ndarray  # int64
+    moves: np.ndarray  # int64, at least 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ArrayRows:
+    """A group's move rows as arrays [rows], tensor after tensor."""
+
+    lower: dict[int, int]  # leaf -> lower bound bytes
+    naive: dict[int, int]  # leaf -> gather-then-broadcast bytes
     src: np.ndarray
     dst: np.ndarray
     nbytes: np.ndarray
-    count: np.ndarray
+    lo: np.ndarray  # [rows, ndim]
+    hi: np.ndarray  # [rows, ndim]
+
+    def rows(self, a: int, b: int) -> MoveRows:
+        """Rows a:b, one tensor's range."""
+        return MoveRows(self.src[a:b], self.dst[a:b], self.lo[a:b], self.hi[a:b])
+
+    def move_arrays(self) -> MoveArrays:
+        """Every row, one move each."""
+        return MoveArrays(self.src, self.dst, self.nbytes, np.ones(len(self.src), np.int64))
+
+    compressed = move_arrays  # the former private name; use Plan.move_arrays
 
 
-@dataclasses.dataclass(slots=True)
-class GroupRows:
-    """A group's move rows, tensor after tensor.
+@dataclasses.dataclass(frozen=True, slots=True)
+class PairRows:
+    """A group whose senders the mesh pair fixes, without split rows: one row set per pair.
 
-    General groups hold the rows as arrays. Regular groups (senders fixed by the mesh
-    pair, no split rows) hold one sorted row set per mesh pair instead: tensor k's
-    rows are its pair's rows with bytes scaled by its itemsize, so nothing of size
-    tensors x pieces is built unless asked for (``src``, ``dst``, ... properties).
+    Per mesh pair c, the sorted rows ``psrc[c]``, ``pdst[c]`` of pieces ``perm[c]``;
+    tensor k's rows are its pair's rows with bytes scaled by its itemsize, so nothing
+    of size tensors x pieces is built.
     """
 
     lower: dict[int, int]  # leaf -> lower bound bytes
     naive: dict[int, int]  # leaf -> gather-then-broadcast bytes
-    _src: np.ndarray | None = None
-    _dst: np.ndarray | None = None
-    _nbytes: np.ndarray | None = None
-    _lo: np.ndarray | None = None
-    _hi: np.ndarray | None = None
-    # Regular groups: per mesh pair c, sorted rows psrc[c], pdst[c] of pieces perm[c].
-    pieces: Pieces | None = None
-    perm: np.ndarray | None = None  # [C, M], None when every pair keeps piece order
-    psrc: np.ndarray | None = None  # [C, M]
-    pdst: np.ndarray | None = None  # [C, M]
-    inv: np.ndarray | None = None  # [T] pair of each tensor
-    itemsize: np.ndarray | None = None  # [T]
-
-    def _piece_boxes(self, c: int) -> tuple[np.ndarray, np.ndarray]:
-        if self.perm is None:
-            return self.pieces.lo, self.pieces.hi  # read-only, shared
-        lo, hi = self.pieces.lo[self.perm[c]], self.pieces.hi[self.perm[c]]
-        lo.setflags(write=False)
-        hi.setflags(write=False)
-        return lo, hi
+    pieces: Pieces
+    perm: np.ndarray | None  # [C, M], None when every pair keeps piece order
+    psrc: np.ndarray  # [C, M]
+    pdst: np.ndarray  # [C, M]
+    inv: np.ndarray  # [T] pair of each tensor
+    itemsize: np.ndarray  # [T]
 
     def rows(self, a: int, b: int) -> MoveRows:
         """Rows a:b, one tensor's range."""
-        if self._src is not None:
-            return MoveRows(self._src[a:b], self._dst[a:b], self._lo[a:b], self._hi[a:b])
         c = int(self.inv[a // self.psrc.shape[1]])
-        lo, hi = self._piece_boxes(c)
+        if self.perm is None:
+            lo, hi = self.pieces.lo, self.pieces.hi  # read-only, shared
+        else:
+            lo, hi = self.pieces.lo[self.perm[c]], self.pieces.hi[self.perm[c]]
+            lo.setflags(write=False)
+            hi.setflags(write=False)
         return MoveRows(self.psrc[c], self.pdst[c], lo, hi)
 
-    def _expand(self) -> None:
-        T, M = len(self.inv), self.psrc.shape[1]
-        order = np.arange(M)[None, :] if self.perm is None else self.perm[self.inv]
-        src, dst = self.psrc[self.inv].ravel(), self.pdst[self.inv].ravel()
-        piece = np.broadcast_to(order, (T, M)).ravel()
-        lo, hi = self.pieces.lo[piece], self.pieces.hi[piece]
-        nb = self.pieces.vol[piece] * np.repeat(self.itemsize, M)
-        for x in (src, dst, lo, hi, nb):
-            x.setflags(write=False)
-        self._src, self._dst, self._lo, self._hi, self._nbytes = src, dst, lo, hi, nb
-
-    def compressed(self) -> CompressedRows:
-        """Rows with counts: regular groups give one row per (pair, piece) for all their tensors."""
-        if self._src is not None or self.psrc is None:
-            return CompressedRows(self._src, self._dst, self._nbytes, np.ones(len(self._src), np.int64))
+    def move_arrays(self) -> MoveArrays:
+        """One row per (pair, piece) for all the pair's tensors."""
         C, M = self.psrc.shape
         weight = np.bincount(self.inv, weights=self.itemsize, minlength=C).astype(np.int64)  # bytes per element
         count = np.bincount(self.inv, minlength=C).astype(np.int64)
         vol = self.pieces.vol[self.perm] if self.perm is not None else np.broadcast_to(self.pieces.vol, (C, M))
-        return CompressedRows(self.psrc.ravel(), self.pdst.ravel(), (vol * weight[:, None]).ravel(), np.repeat(count, M))
+        nbytes = (vol * weight[:, None]).ravel()
+        return MoveArrays(self.psrc.ravel(), self.pdst.ravel(), nbytes, np.repeat(count, M))
 
-    # Full row arrays, built on first use for regular groups.
-    src = property(lambda self: self._full("_src"))
-    dst = property(lambda self: self._full("_dst"))
-    nbytes = property(lambda self: self._full("_nbytes"))
-    lo = property(lambda self: self._full("_lo"))
-    hi = property(lambda self: self._full("_hi"))
+    compressed = move_arrays  # the former private name; use Plan.move_arrays
 
-    def _full(self, field: str) -> np.ndarray:
-        if self._src is None:
-            self._expand()
-        return getattr(self, field)
+
+GroupRows = ArrayRows | PairRows
 
 
 def _box_keys(p: Pieces) -> list[np.ndarray]:

@@ -39,7 +39,8 @@ def flatten(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[li
             keys = _sorted_keys(node)
             return ("dict", tuple(keys), tuple(walk(node[k], path + (k,)) for k in keys))
         if isinstance(node, tuple) and hasattr(node, "_fields"):
-            return ("namedtuple", type(node), tuple(walk(v, path + (f,)) for f, v in zip(node._fields, node, strict=True)))
+            fields = zip(node._fields, node, strict=True)
+            return ("namedtuple", type(node), tuple(walk(v, path + (f,)) for f, v in fields))
         if isinstance(node, (list, tuple)):
             kind = "list" if isinstance(node, list) else "tuple"
             return (kind, len(node), tuple(walk(v, path + (i,)) for i, v in enumerate(node)))

@@ -18,7 +18,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import flax.linen as nn
 import jax
@@ -142,7 +142,8 @@ def init_params(config: LlamaConfig, key: jax.Array) -> dict[str, Any]:
 
 def logits(config: LlamaConfig, params: Any, tokens: jax.Array) -> jax.Array:
     """Next-token logits ``[batch, seq, vocab]`` for integer ``tokens`` ``[batch, seq]``."""
-    return model(config).apply({"params": params}, tokens)
+    # flax types apply() as "output, or (output, state) when mutable= is given"; it is not here.
+    return cast(jax.Array, model(config).apply({"params": params}, tokens))
 
 
 def loss(config: LlamaConfig, params: Any, tokens: jax.Array) -> jax.Array:
