@@ -218,3 +218,22 @@ def test_moe_config_without_name(tmp_path, capsys):
     assert report(capsys, *flags("tp=2,ep=2", "tp=2,dp=2", model=path))["model"] == "mini-moe"
     rc, _, err = run(capsys, *flags("tp=2,ep=3", "tp=2,dp=2", model=path))
     assert rc == 2 and "--train 'tp=2,ep=3': ep=3 does not divide the model's 4 routed experts" in err
+
+
+def test_layer_prints_one_moe_layer_next_to_the_published_figures(capsys):
+    rc, out, err = run(capsys, "dsv3-ep16pp8-to-tp8dp16", "--layer", "3")
+    assert rc == 0, err
+    assert out.startswith("deepseek-v3 layer 3, routed experts on dsv3-ep16pp8-to-tp8dp16: 768 tensors")
+    assert re.search(r"jreshard \(\w+\)\s+[\d.,]+ ms\s+9\.8 ms", out)
+    assert re.search(r"flat direct sends\s+[\d.,]+ ms\s+77\.3 ms", out)
+    rc, out, err = run(capsys, "dsv3-ep16pp8-to-tp8dp16", "--layer", "3", "--json")
+    r = json.loads(out)
+    assert (r["layer"], r["tensors"]) == (3, 768)
+    assert r["predictions"]["jreshard"]["seconds"] < r["predictions"]["flat_direct"]["seconds"]
+    assert r["published"] == {"jreshard_s": 0.0098, "flat_direct_s": 0.0773}
+
+
+def test_layer_without_experts_is_refused(capsys):
+    rc, out, err = run(capsys, "dsv3-ep16pp8-to-tp8dp16", "--layer", "0")
+    assert rc == 2 and out == ""
+    assert "layer 0 of deepseek-v3 holds no routed experts; layers 3 to 61 do" in err

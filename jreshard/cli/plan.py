@@ -12,6 +12,7 @@ from typing import Any, cast
 
 from jreshard.core.planner import Plan, PlanStats, clear_cache, plan
 from jreshard.fleet import catalog, cost
+from jreshard.fleet.layer import format_layer, predict_layer
 from jreshard.fleet.presets import parse_degrees
 from jreshard.fleet.scenario import Scenario, ScenarioError, load_scenario
 
@@ -29,7 +30,7 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("scenario", nargs="?", help="scenario JSON file or built-in scenario name")
     p.add_argument("--model", help=f"catalog model ({', '.join(catalog.models())}) or a config.json path")
     p.add_argument("--train", help="training degrees, e.g. tp=4,pp=4,dp=2 (also ep, cp, fsdp, expert_tp)")
-    p.add_argument("--infer", help="inference degrees, e.g. tp=4,dp=8 (also ep)")
+    p.add_argument("--infer", help="inference degrees, e.g. tp=4,dp=8 (also ep, expert_tp)")
     p.add_argument("--hardware", help=f"hardware name ({', '.join(cost.hardware_names())}) or JSON path")
     p.add_argument("--dtype", help="weight dtype (default: the model's)")
     p.add_argument("--colocated", action="store_true", help="training and inference share devices")
@@ -38,6 +39,8 @@ def add_plan_parser(sub: Any) -> None:
                    help="routed experts as separate tensors (Hugging Face) or stacked [experts, ...]")
     p.add_argument("--hierarchical", choices=("auto", "always", "never"), default="auto",
                    help="hierarchical delivery: let the cost model decide (auto), force it, or never")
+    p.add_argument("--layer", type=int, metavar="N",
+                   help="predict only layer N's routed experts, next to the scenario's published per-layer figures")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
                    help="progress bar on stderr (auto: for large models on a terminal)")
@@ -228,9 +231,25 @@ def format_report(r: dict[str, Any]) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+def _run_layer(s: Scenario, args: argparse.Namespace) -> str:
+    p = predict_layer(s, args.layer, experts=args.experts, hierarchical=args.hierarchical)
+    if not args.json:
+        return format_layer(p)
+    c = p.comparison
+    return json.dumps({
+        "scenario": p.scenario, "model": p.model, "layer": p.layer, "tensors": len(p.names), "bytes": p.nbytes,
+        "predictions": {name: _prediction(getattr(c, name), delivery) for name, delivery in (
+            ("jreshard", c.delivery), ("flat_direct", "direct"), ("gather_broadcast", "gather-then-broadcast"))},
+        "published": p.published._asdict() if p.published else None,
+    }, indent=2)
+
+
 def run_plan(args: argparse.Namespace) -> int:
     try:
         s = _scenario_from_args(args)
+        if args.layer is not None:
+            print(_run_layer(s, args))
+            return 0
         progress = args.progress == "on" or (
             args.progress == "auto" and sys.stderr.isatty()
             and len(catalog.tensors(s.model, experts=args.experts)) >= _PROGRESS_MIN_TENSORS)
