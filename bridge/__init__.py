@@ -8,7 +8,8 @@ compute the same plan. ``Receiver`` and ``init_group`` import torch on first use
 ``docs/glossary.md``.
 
 Modules: ``_source`` (the trainer side over source ids), ``_param_map`` (params
-and regions), ``_rules`` (rules, TP and DTensor param maps), ``_reduce`` and
+and regions), ``_dims`` (named dims of a rule), ``_rules`` (rules and the TP/EP
+param map), ``_dtensor`` (DTensor params), ``_reduce`` and
 ``_plan`` (the plan), ``_plan_key`` (what a fingerprint covers), ``_wire`` (the
 torch.distributed protocol), ``receiver``, ``sender``; model recipes live in
 ``bridge.recipes``.
@@ -24,6 +25,7 @@ from bridge._plan import BridgePlan, Message, ParamMove, Piece, Segment
 from bridge._rules import Rule, tp_param_map
 from bridge._source import SOURCE_BASE, Source, source_id, split_source_id, trainer_mesh
 from bridge.recipes.llama import llama_param_map, llama_rules
+from bridge.recipes.qwen3_moe import qwen3_moe_param_map, qwen3_moe_rules
 
 __all__ = [
     "BridgePlan",
@@ -45,6 +47,8 @@ __all__ = [
     "init_group",
     "llama_param_map",
     "llama_rules",
+    "qwen3_moe_param_map",
+    "qwen3_moe_rules",
     "reject_sync",
     "source_id",
     "split_source_id",

@@ -2,11 +2,16 @@
 
 Each recipe is pure (it reads a config's sizes, never imports jax or torch) and
 returns ``bridge.Rule`` lists or ready ``bridge.ParamMap``s; the mechanism that
-plans and sends them lives in ``bridge`` itself.
+plans and sends them lives in ``bridge`` itself. ``llama``: the flax Llama/Qwen3 of
+``jreshard.nn``; ``qwen3_moe``: its MoE model (vLLM ``FusedMoE`` or transformers names,
+TP and EP); ``maxtext``: a MaxText-style scanned tree.
 """
 
 from __future__ import annotations
 
 from bridge.recipes.llama import llama_param_map, llama_rules
+from bridge.recipes.maxtext import maxtext_param_map, maxtext_rules, maxtext_shapes
+from bridge.recipes.qwen3_moe import expert_rules, qwen3_moe_param_map, qwen3_moe_rules
 
-__all__ = ["llama_param_map", "llama_rules"]
+__all__ = ["expert_rules", "llama_param_map", "llama_rules", "maxtext_param_map", "maxtext_rules", "maxtext_shapes",
+           "qwen3_moe_param_map", "qwen3_moe_rules"]

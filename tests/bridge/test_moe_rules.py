@@ -152,3 +152,48 @@ def test_expert_params_match_slicing(layout, experts, dtype):
         for name, w in want.items():
             assert got[rank][name].dtype == w.dtype, name
             np.testing.assert_array_equal(got[rank][name], w, err_msg=f"{name} on rank {rank}")
+
+
+@pytest.mark.parametrize("layout", [LAYOUTS[1], LAYOUTS[4]], ids=[LAYOUTS[1][0], LAYOUTS[4][0]])
+def test_transformers_names_and_custom_templates(layout):
+    _, tp_ranks, ep = layout
+    cfg = _config()
+    source = bridge.Source.build(param_shapes(cfg), TRAINERS, _spec)
+    arrays = _arrays(param_shapes(cfg), "float32")
+    names = {"w13": "model.layers.{layer}.mlp.experts.gate_up_proj"}  # the target's own, given explicitly
+    m = qwen3_moe_param_map(cfg, source, tp_ranks, ep=ep, target="hf", names=names)
+    got = bridge.BridgePlan(source, m).reference(arrays)
+    full = _hf_full(arrays, cfg, "hf")
+    grid = np.atleast_2d(np.asarray(tp_ranks))
+    egrid = grid if ep == 1 else grid.reshape(ep, -1)
+    for rank in grid.ravel().tolist():
+        c = int(np.argwhere(grid == rank)[0][1])
+        er, ec = (int(v) for v in np.argwhere(egrid == rank)[0])
+        want = _oracle(full, cfg, grid.shape[1], c, ep, er if ep > 1 else 0, egrid.shape[1], ec, 64, False)
+        assert sorted(got[rank]) == sorted(want)
+        for name, w in want.items():
+            np.testing.assert_array_equal(got[rank][name], w, err_msg=f"{name} on rank {rank}")
+    vllm = qwen3_moe_param_map(cfg, source, tp_ranks, ep=ep,
+                               names={"w13": "model.layers.{layer}.mlp.experts.routed_experts.w13_weight"})
+    assert "model.layers.1.mlp.experts.routed_experts.w13_weight" in vllm.names()
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"target": "sglang"}, r"target must be 'vllm' \(FusedMoE names\) or 'hf'"),
+    ({"names": {"w1": "x.{layer}"}}, r"names has key 'w1'; give templates for \['router', 'w13', 'w2'\]"),
+    ({"names": {"w13": "experts.w13"}}, r"names\['w13'\] must be a str with '\{layer\}' in it"),
+    ({"ep": 3}, r"ep=3 does not divide the 2 inference ranks"),
+    ({"ep": 0}, r"ep must be a positive int"),
+])
+def test_recipe_arguments_are_checked(kw, match):
+    cfg = _config()
+    source = bridge.Source.build(param_shapes(cfg), TRAINERS, _spec)
+    with pytest.raises(ValueError, match=match):
+        qwen3_moe_param_map(cfg, source, [2, 3], **kw)
+
+
+def test_experts_that_do_not_split_over_ep_are_refused():
+    cfg = _config(num_experts=6)
+    source = bridge.Source.build(param_shapes(cfg), TRAINERS, lambda p, s: ())
+    with pytest.raises(ValueError, match=r"dim 'e'.*size 6.*does not split evenly over 4 ranks"):
+        qwen3_moe_param_map(cfg, source, [2, 3, 4, 5], ep=4)
