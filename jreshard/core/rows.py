@@ -71,7 +71,6 @@ class ArrayRows:
         """Every row, one move each."""
         return MoveArrays(self.src, self.dst, self.nbytes, np.ones(len(self.src), np.int64))
 
-    compressed = move_arrays  # the former private name; use Plan.move_arrays
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -112,7 +111,6 @@ class PairRows:
         nbytes = (vol * weight[:, None]).ravel()
         return MoveArrays(self.psrc.ravel(), self.pdst.ravel(), nbytes, np.repeat(count, M))
 
-    compressed = move_arrays  # the former private name; use Plan.move_arrays
 
 
 GroupRows = ArrayRows | PairRows

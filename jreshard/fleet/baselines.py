@@ -31,7 +31,7 @@ from jreshard.core.layout import Layout
 from jreshard.core.mesh import Mesh
 from jreshard.core.planner import plan
 from jreshard.fleet.hardware import Topology
-from jreshard.fleet.traffic import Prediction, Traffic, check_pair, plan_rows, predict, predict_plan
+from jreshard.fleet.traffic import Prediction, Traffic, check_pair, predict, predict_plan
 
 __all__ = ["gather_broadcast", "flat_direct"]
 
@@ -56,7 +56,7 @@ def gather_broadcast(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo:
     roots = _roots(src, names)
     gather = plan({n: src[n] for n in names}, roots, balance=False)
     traffic = Traffic.zeros(0)
-    s, d, nb, moves = plan_rows(gather)
+    s, d, nb, moves = gather.move_arrays()
     traffic.add_edges(s, d, nb, moves, topo)  # one message per piece per tensor
     first = predict(traffic, topo)
 

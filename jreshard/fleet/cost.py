@@ -54,11 +54,9 @@ from jreshard.fleet.hierarchical import (
     predict_two_stage,
 )
 from jreshard.fleet.traffic import (
-    MoveRows,
     Prediction,
     Traffic,
     check_pair,
-    plan_rows,
     plan_traffic,
     predict,
     predict_plan,
@@ -67,7 +65,7 @@ from jreshard.fleet.traffic import (
 
 __all__ = ["Hardware", "Topology", "Traffic", "Prediction", "TwoStagePlan", "Comparison", "load_hardware",
            "hardware_names", "predict", "sender_load_bound", "predict_plan", "predict_two_stage", "plan_traffic",
-           "hierarchical_plan", "gather_broadcast", "flat_direct", "compare", "MoveRows", "plan_rows", "StagePart",
+           "hierarchical_plan", "gather_broadcast", "flat_direct", "compare", "StagePart",
            "has_domain_replicas"]
 
 

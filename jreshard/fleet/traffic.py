@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -124,31 +124,9 @@ def predict(traffic: Traffic, topo: Topology) -> Prediction:
                       int(traffic.net_in.max()), int(traffic.net_out.max()))
 
 
-class MoveRows(NamedTuple):
-    """A plan's sends as parallel arrays; one row may stand for several moves of one pair."""
-
-    src: np.ndarray
-    dst: np.ndarray
-    nbytes: np.ndarray
-    moves: np.ndarray
-
-
-def plan_rows(p: Plan | TensorPlan) -> MoveRows:
-    """The sends of a plan (a whole-model ``Plan`` or one ``TensorPlan``) as ``MoveRows``."""
-    if isinstance(p, Plan):
-        # The plan's tensor groups hold their moves compressed; reading them avoids
-        # building one TensorPlan per tensor (tens of thousands for a large model).
-        parts = [g.compressed() for g in p._groups]
-        if not parts:
-            e = np.zeros(0, np.int64)
-            return MoveRows(e, e, e, e)
-        return MoveRows(*(np.concatenate([x[k] for x in parts]) for k in range(4)))
-    return MoveRows(p.move_src, p.move_dst, p.move_bytes, np.ones(len(p.move_src), np.int64))
-
-
 def plan_traffic(p: Plan | TensorPlan, topo: Topology) -> Traffic:
     """Per-device loads of a plan, its sends coalesced per (sender, receiver) pair."""
-    src, dst, nb, _ = plan_rows(p)
+    src, dst, nb, _ = p.move_arrays()
     traffic = Traffic.zeros(0)
     net = src != dst
     src, dst, nb = src[net], dst[net], nb[net]
