@@ -1,0 +1,222 @@
+"""What trainers and vLLM workers tell each other before a sync, as plain data (pure: no torch, no jax).
+
+Trainer rank 0 describes its leaves (path, shape, dtype, spec, and the mesh as source
+ids in the trainer's real device order) and its ``Recipe`` (the rules that turn leaves
+into vLLM params); every worker describes its place in the engine (TP rank and size,
+data-parallel replica, expert parallelism, dtype) and its targets: the name, per-rank
+shape and dtype of every parameter its live model loads, in vLLM's logical layout.
+Everything is JSON-ready; every rank receives every description, builds the same
+``ParamMap`` from them and checks it against every worker's targets, so a mismatch
+is refused on every rank before any byte moves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from bridge._param_map import ParamMap
+from bridge._rules import Rule, tp_param_map
+from bridge._source import Source
+from jreshard.core.layout import Layout
+from jreshard.core.mesh import Mesh
+
+__all__ = ["Recipe", "EngineShape", "Target", "source_to_data", "source_from_data", "build_param_map", "engine_shape",
+           "check_targets", "PROTOCOL"]
+
+PROTOCOL = 1  # bumped when the descriptions change shape
+
+
+def _rule_to_data(rule: Rule) -> dict[str, Any]:
+    out = {}
+    for f in dataclasses.fields(Rule):
+        v = getattr(rule, f.name)
+        out[f.name] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def _rule_from_data(data: Mapping[str, Any]) -> Rule:
+    kw = dict(data)
+    if isinstance(kw.get("transpose"), list):
+        kw["transpose"] = tuple(kw["transpose"])
+    return Rule(**kw)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Recipe:
+    """How the trainer's leaves become vLLM params: rules split over each TP group, expert rules, tying.
+
+    Args:
+      rules: rules applied over every tensor-parallel group (attention, dense MLP, norms,
+        embeddings); the first rule whose pattern matches a leaf applies.
+      expert_rules: rules of routed experts, applied over the engine's expert grid: the TP
+        groups, or with expert parallelism one row per rank (linear placement).
+      tie_lm_head: the engine has an ``lm_head.weight`` filled from the embedding.
+    """
+
+    rules: tuple[Rule, ...]
+    expert_rules: tuple[Rule, ...] = ()
+    tie_lm_head: bool = False
+
+    def __post_init__(self) -> None:
+        for what in ("rules", "expert_rules"):
+            value = tuple(getattr(self, what))
+            for r in value:
+                if not isinstance(r, Rule):
+                    raise TypeError(f"Recipe {what} must hold bridge.Rule, got {type(r).__name__}.")
+            object.__setattr__(self, what, value)
+
+    @classmethod
+    def llama(cls, config: Any, *, vocab_pad: int = 64) -> Recipe:
+        """``jreshard.nn``'s Llama/Qwen3 model as vLLM names it (fused ``qkv_proj`` and ``gate_up_proj``)."""
+        from bridge.recipes.llama import llama_rules
+
+        return cls(tuple(llama_rules(config, fused=True, vocab_pad=vocab_pad)),
+                   tie_lm_head=bool(config.tie_word_embeddings))
+
+    @classmethod
+    def qwen3_moe(cls, config: Any, *, vocab_pad: int = 64, names: dict[str, str] | None = None) -> Recipe:
+        """``jreshard.nn``'s Qwen3-MoE model as vLLM names it (``FusedMoE`` ``w13_weight``/``w2_weight``).
+
+        ``names`` overrides the expert param templates (see ``bridge.recipes.qwen3_moe.expert_rules``).
+        """
+        from bridge.recipes.qwen3_moe import _shared_expert_rules, expert_rules
+        from bridge.recipes.llama import llama_rules
+
+        dense = (*llama_rules(config, fused=True, vocab_pad=vocab_pad), *_shared_expert_rules(True))
+        return cls(dense, tuple(expert_rules(target="vllm", names=names)), bool(config.tie_word_embeddings))
+
+    def to_data(self) -> dict[str, Any]:
+        return {"rules": [_rule_to_data(r) for r in self.rules],
+                "expert_rules": [_rule_to_data(r) for r in self.expert_rules], "tie_lm_head": self.tie_lm_head}
+
+    @classmethod
+    def from_data(cls, data: Mapping[str, Any]) -> Recipe:
+        return cls(tuple(_rule_from_data(r) for r in data["rules"]),
+                   tuple(_rule_from_data(r) for r in data["expert_rules"]), bool(data["tie_lm_head"]))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Target:
+    """A parameter of one worker's live model: its name, per-rank logical shape and dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineShape:
+    """The inference engine as the sync sees it: sync ranks in (replica, TP rank) order and expert placement.
+
+    ``ranks[d][t]`` is the sync rank of TP rank ``t`` of data-parallel replica ``d``.
+    """
+
+    ranks: tuple[tuple[int, ...], ...]
+    expert_parallel: bool
+    dtype: str
+
+    @property
+    def tp(self) -> int:
+        return len(self.ranks[0])
+
+    def expert_grid(self) -> list[list[int]]:
+        """The rank grid the expert rules split over: each TP group, or one row per rank under EP."""
+        if not self.expert_parallel:
+            return [list(g) for g in self.ranks]
+        return [[r] for g in self.ranks for r in g]
+
+
+def source_to_data(source: Source) -> dict[str, Any]:
+    """Every leaf's layout as plain data; the mesh keeps the trainer's device order."""
+    out = {}
+    for path, lay in source.items():
+        out[path] = {"shape": list(lay.shape), "dtype": lay.dtype,
+                     "spec": [list(s) if isinstance(s, tuple) else s for s in lay.spec],
+                     "mesh": np.asarray(lay.mesh.devices).tolist(), "axes": list(lay.mesh.axis_names)}
+    return out
+
+
+def source_from_data(data: Mapping[str, Any]) -> Source:
+    leaves = {}
+    for path, d in data.items():
+        mesh = Mesh(np.asarray(d["mesh"], dtype=np.int64), tuple(d["axes"]))
+        spec = tuple(tuple(s) if isinstance(s, list) else s for s in d["spec"])
+        leaves[path] = Layout(tuple(d["shape"]), mesh, spec, d["dtype"])
+    return Source(leaves)
+
+
+def build_param_map(source: Source, recipe: Recipe, engine: EngineShape) -> ParamMap:
+    """Every worker's params from the trainer's leaves, the recipe and the engine's shape.
+
+    Raises:
+      ValueError: a leaf matches no rule, or a rule does not fit the engine (an uneven split).
+    """
+    unmatched = [p for p in source.paths
+                 if not any(re.fullmatch(r.pattern, p) for r in (*recipe.rules, *recipe.expert_rules))]
+    if unmatched:
+        raise ValueError(f"trainer leaves {unmatched[:3]} ({len(unmatched)} in all) match no rule of the "
+                         "recipe; add rules for them.")
+    groups = [list(g) for g in engine.ranks]
+    param_map = tp_param_map(source, recipe.rules, groups, dtype=engine.dtype, strict=False)
+    if recipe.expert_rules:
+        param_map = param_map + tp_param_map(source, recipe.expert_rules, engine.expert_grid(),
+                                             dtype=engine.dtype, strict=False)
+    if recipe.tie_lm_head:
+        from bridge.recipes.llama import tie_lm_head
+
+        param_map = tie_lm_head(param_map)
+    return param_map
+
+
+def check_targets(param_map: ParamMap, targets: Mapping[int, Sequence[Target]]) -> list[str]:
+    """What differs between the params the sync writes and each worker's live targets (empty: nothing).
+
+    Every param must be a target of its rank with the same shape and dtype, and every
+    target must be written: a parameter the sync skipped would keep its old weights.
+    """
+    problems = []
+    for rank, live in sorted(targets.items()):
+        want = {t.name: t for t in live}
+        got = {p.name: p for p in param_map.for_rank(rank)}
+        missing = sorted(set(want) - set(got))
+        extra = sorted(set(got) - set(want))
+        if missing:
+            problems.append(f"rank {rank}: {len(missing)} parameters of the engine get no leaf, e.g. "
+                            f"{missing[:3]}")
+        if extra:
+            problems.append(f"rank {rank}: {len(extra)} params of the recipe are not in the engine, e.g. "
+                            f"{extra[:3]}")
+        for name in sorted(set(want) & set(got)):
+            t, p = want[name], got[name]
+            if tuple(p.shape) != tuple(t.shape) or p.dtype != t.dtype:
+                problems.append(f"rank {rank}: {name!r} is {tuple(t.shape)} {t.dtype} in the engine but "
+                                f"{tuple(p.shape)} {p.dtype} from the trainer's leaves and recipe")
+    return problems
+
+
+def engine_shape(workers: Sequence[Mapping[str, Any]]) -> EngineShape:
+    """The engine's shape from every worker's handshake description.
+
+    Raises:
+      ValueError: the workers disagree on TP size, replicas, expert parallelism or dtype, or a
+        (replica, TP rank) is missing or doubled.
+    """
+    if not workers:
+        raise ValueError("the sync group has no vLLM workers; give world_size = trainers + workers.")
+    for key in ("tp", "replicas", "expert_parallel", "dtype"):
+        values = {str(w[key]) for w in workers}
+        if len(values) != 1:
+            raise ValueError(f"the vLLM workers disagree on {key}: {sorted(values)}.")
+    tp, replicas = int(workers[0]["tp"]), int(workers[0]["replicas"])
+    slots = {(int(w["replica"]), int(w["tp_rank"])): int(w["rank"]) for w in workers}
+    want = {(d, t) for d in range(replicas) for t in range(tp)}
+    if set(slots) != want or len(slots) != len(workers):
+        raise ValueError(f"the vLLM workers hold (replica, TP rank) {sorted(slots)}, expected {sorted(want)}; "
+                         "give world_size = trainers + every worker of every replica.")
+    ranks = tuple(tuple(slots[(d, t)] for t in range(tp)) for d in range(replicas))
+    return EngineShape(ranks, bool(workers[0]["expert_parallel"]), str(workers[0]["dtype"]))

@@ -1,0 +1,179 @@
+"""The worker side: ``"jreshard"``, a vLLM weight-transfer engine (torch and vLLM, never jax).
+
+vLLM creates one engine per worker when the model is loaded and
+``LLM(..., weight_transfer_config=WeightTransferConfig(backend="jreshard"))`` names it
+(``bridge.vllm.plugin`` registers it through the ``vllm.general_plugins`` entry point).
+The trainer drives four phases on every worker:
+
+1. ``init_weight_transfer_engine``: join a new gloo group with the trainer ranks (a
+   ``TCPStore`` on the trainer's address; never vLLM's own group), exchange plain-data
+   descriptions (the trainer's leaves and recipe; this worker's TP rank, replica and
+   targets from the live model), build the ``ParamMap`` and ``BridgePlan`` and check
+   every worker's targets. A mismatch is refused on every rank before any byte moves.
+2. ``start_weight_update``: checks that a group is open.
+3. ``update_weights({"version": v})``: the bridge's ``Receiver`` receives this rank's
+   slices into staging tensors (this rank's logical layout, never a full tensor); the
+   trainers learn each worker's byte counters. A failure leaves the model untouched;
+   the group is then closed and the trainer initialises again.
+4. ``finish_weight_update``: commits the staging tensors into the model, layer by
+   layer, with vLLM's post-load processing (``bridge.vllm._model``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from bridge._plan import BridgePlan
+from bridge._wire import SyncError, torch_dtype
+from bridge.receiver import Receiver
+from bridge.vllm._group import all_gather_ints, all_gather_json, close_group, open_group
+from bridge.vllm._handshake import PROTOCOL, Target
+from bridge.vllm._model import live_targets, torch_dtype_name, write_layers
+from bridge.vllm._agree import plan_from_hellos
+
+__all__ = ["JReshardInitInfo", "JReshardUpdateInfo", "JReshardEngine", "CountingReceiver", "worker_hello"]
+
+log = logging.getLogger("bridge")
+
+
+@dataclasses.dataclass
+class JReshardInitInfo(WeightTransferInitInfo):
+    """Where the trainer's group is and how many ranks it has (plain data, any control plane carries it)."""
+
+    master_address: str
+    master_port: int
+    trainer_world_size: int
+    world_size: int
+    timeout: float = 60.0
+    ready_timeout: float = 600.0
+    group_name: str = "jreshard"
+
+
+@dataclasses.dataclass
+class JReshardUpdateInfo(WeightTransferUpdateInfo):
+    """The version (training step) the trainers send."""
+
+    version: int
+
+
+class CountingReceiver(Receiver):
+    """A ``Receiver`` that counts the bytes it posts receives for in each sync."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.bytes_received = 0
+
+    def _recv(self, into: dict[str, torch.Tensor], m: Any, buf: torch.Tensor) -> list[torch.Tensor]:
+        out = super()._recv(into, m, buf)
+        self.bytes_received += sum(t.numel() * t.element_size() for t in out)
+        return out
+
+    def sync(self, group: Any = None) -> int:
+        self.bytes_received = 0
+        return super().sync(group)
+
+
+class JReshardEngine(WeightTransferEngine[JReshardInitInfo, JReshardUpdateInfo]):
+    """Receives syncs from a JAX trainer into this worker's model, exact per-rank slices only."""
+
+    init_info_cls = JReshardInitInfo
+    update_info_cls = JReshardUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.group: Any = None
+        self.receiver: CountingReceiver | None = None
+        self.plan: BridgePlan | None = None
+        self.rank: int | None = None
+        self.version: int | None = None  # the version now in the model
+        self._received: int | None = None  # the version in staging, not yet committed
+        self._info: JReshardInitInfo | None = None
+
+    # ------------------------------------------------------------ phase 1
+    def init_transfer_engine(self, init_info: JReshardInitInfo) -> None:
+        self._close()
+        self._info = init_info
+        hello, self.rank = worker_hello(self.vllm_config, init_info.trainer_world_size, live_targets(self.model),
+                                        torch_dtype_name(self.model_config.dtype))
+        self.group = open_group(init_info.master_address, init_info.master_port, self.rank, init_info.world_size,
+                                timeout=init_info.ready_timeout, name=init_info.group_name)
+        try:
+            hellos = all_gather_json(hello, self.group, timeout=init_info.ready_timeout, what="the handshake")
+            self.plan = plan_from_hellos(hellos)
+            staging = {p.name: torch.zeros(p.shape, dtype=torch_dtype(p.dtype), device=self.device)
+                       for p in self.plan.param_map.for_rank(self.rank)}
+            self.receiver = CountingReceiver(self.plan, staging, rank=self.rank, atomic=False,
+                                             timeout=init_info.timeout, ready_timeout=init_info.ready_timeout)
+        except BaseException:
+            self._close()
+            raise
+        log.info("jreshard: rank %d joined the sync group: %r", self.rank, self.plan)
+
+    # ------------------------------------------------------------ phases 2-4
+    def start_weight_update(self) -> None:
+        if self.receiver is None or self.group is None:
+            raise SyncError("the jreshard engine has no sync group (never initialised, or closed after a failed "
+                            "sync); call init_weight_transfer_engine again.")
+        self._received = None
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class calls torch.accelerator.synchronize(), which a CPU worker must not rely on.
+        self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: JReshardUpdateInfo) -> None:
+        if self.receiver is None or self.group is None or self._info is None:
+            raise SyncError("update_weights before init_weight_transfer_engine; initialise first.")
+        try:
+            version = self.receiver.sync(self.group)
+            if version != update_info.version:
+                raise SyncError(f"the trainers sent version {version}, but update_weights announced "
+                                f"{update_info.version}; nothing was committed.")
+            all_gather_ints([version, self.receiver.bytes_received], self.group, timeout=self._info.timeout,
+                            what="the byte report")
+        except SyncError:
+            self._close()  # the group is unusable after a failed sync; the model is untouched
+            raise
+        self._received = version
+
+    def finish_weight_update(self) -> None:
+        if self._received is None or self.receiver is None:
+            raise SyncError("finish_weight_update without a complete update_weights; the model is unchanged.")
+        layers = write_layers(self.model, self.receiver.params)
+        self.version, self._received = self._received, None
+        log.info("jreshard: rank %d committed version %d (%d layers)", self.rank, self.version, layers)
+
+    def shutdown(self) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        close_group(self.group)
+        self.group, self.receiver, self.plan, self._received = None, None, None, None
+
+
+def worker_hello(vllm_config: Any, trainers: int, targets: list[Target], dtype: str) -> tuple[dict[str, Any], int]:
+    """This worker's handshake description and its rank in the sync group (trainers first)."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+    par = vllm_config.parallel_config
+    if par.pipeline_parallel_size != 1 or get_pp_group().world_size != 1:
+        raise ValueError(f"the jreshard backend supports pipeline_parallel_size=1, got "
+                         f"{par.pipeline_parallel_size}; use tensor and data parallelism.")
+    tp, tp_rank = par.tensor_parallel_size, get_tensor_model_parallel_rank()
+    replica = getattr(par, "data_parallel_index", par.data_parallel_rank)
+    rank = trainers + replica * tp + tp_rank
+    hello = {"role": "worker", "protocol": PROTOCOL, "rank": rank, "replica": replica, "tp_rank": tp_rank, "tp": tp,
+             "replicas": par.data_parallel_size, "expert_parallel": bool(par.enable_expert_parallel),
+             "dtype": dtype, "targets": [[t.name, list(t.shape), t.dtype] for t in targets]}
+    return hello, rank

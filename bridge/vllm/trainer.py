@@ -1,0 +1,176 @@
+"""The trainer side: a JAX trainer updates a running vLLM engine through the ``"jreshard"`` backend.
+
+Every trainer process (one per JAX process) makes a ``VLLMWeightSync`` and calls
+``sync(params, version)`` after each training step. Trainer rank 0 holds the client
+(``bridge.vllm.LLMClient`` over a ``vllm.LLM``, an ``AsyncLLM``-backed or HTTP client:
+any object with the four methods of vLLM's ``VLLMWeightSyncClient``) and drives the
+phases; while a worker-side phase blocks on the data plane, rank 0 calls it from a
+helper thread and sends at the same time. The first sync (and the first after a failed
+one) opens a new gloo group with the workers and runs the handshake; later ones only
+send. Generation is paused during an update where the client can pause
+(``pause_generation``/``resume_generation``); the engine reports the synced version
+(``client.get_weight_version()``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+from typing import Any
+
+import torch.distributed as dist
+
+from bridge._plan import BridgePlan
+from bridge._wire import SyncError
+from bridge.sender import Sender, describe
+from bridge.vllm._agree import plan_from_hellos
+from bridge.vllm._group import all_gather_ints, all_gather_json, close_group, open_group
+from bridge.vllm._handshake import PROTOCOL, Recipe, source_to_data
+
+__all__ = ["VLLMWeightSync", "SyncReport"]
+
+log = logging.getLogger("bridge")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SyncReport:
+    """One sync as the workers counted it: the version they received and the bytes each one received."""
+
+    version: int
+    bytes_received: dict[int, int]
+
+
+def _ensure_torch_distributed() -> None:
+    # bridge._wire checks torch.distributed.is_initialized() even when it is given a group; a JAX
+    # trainer has no default group, so it gets a private one-rank group (no network, no peers).
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+class VLLMWeightSync:
+    """Sends a JAX trainer's weights to the workers of a vLLM engine, each rank its exact slices.
+
+    Args:
+      recipe: how the trainer's leaves become vLLM params (``Recipe.llama(config)``, ...).
+      workers: the number of vLLM workers (TP x DP of the engine).
+      client: the engine's weight-sync client; required on trainer rank 0, ignored elsewhere.
+      rank: this trainer's rank (default ``jax.process_index()``); rank 0 hosts the group.
+      trainers: the number of trainer processes (default ``jax.process_count()``).
+      host, port: where trainer rank 0 hosts the group's store (reachable by every worker).
+      bucket_bytes: the most bytes one rank sends or receives per bucket.
+      timeout: seconds any single wait for data may take.
+      ready_timeout: seconds to wait for every rank to join the group or a sync.
+    """
+
+    def __init__(self, recipe: Recipe, *, workers: int, client: Any = None, rank: int | None = None,
+                 trainers: int | None = None, host: str = "127.0.0.1", port: int, bucket_bytes: int = 16 << 20,
+                 timeout: float = 60.0, ready_timeout: float = 600.0) -> None:
+        import jax
+
+        if not isinstance(recipe, Recipe):
+            raise TypeError(f"recipe must be a bridge.vllm.Recipe, got {type(recipe).__name__}.")
+        self.rank = jax.process_index() if rank is None else rank
+        self.trainers = jax.process_count() if trainers is None else trainers
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"workers must be a positive int (the engine's TP x DP), got {workers!r}.")
+        if self.rank == 0:
+            missing = [m for m in ("init_weight_transfer_engine", "start_weight_update", "update_weights",
+                                   "finish_weight_update") if not hasattr(client, m)]
+            if missing:
+                raise TypeError(f"client on trainer rank 0 must have the four weight-sync methods; "
+                                f"{type(client).__name__} lacks {missing}. Wrap a vllm.LLM in bridge.vllm.LLMClient.")
+        self.recipe, self.workers, self.client = recipe, workers, client
+        self.host, self.port, self.bucket_bytes = host, port, bucket_bytes
+        self.timeout, self.ready_timeout = timeout, ready_timeout
+        self.group: Any = None
+        self.plan: BridgePlan | None = None
+        self.sender: Sender | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jreshard-client")
+
+    @property
+    def world_size(self) -> int:
+        return self.trainers + self.workers
+
+    def _call(self, method: str, *args: Any) -> concurrent.futures.Future:
+        return self._pool.submit(getattr(self.client, method), *args)
+
+    def connect(self, params: Any) -> BridgePlan:
+        """Opens the group with the workers and agrees on the plan (the first ``sync`` does this)."""
+        _ensure_torch_distributed()
+        source = describe(params, list(range(self.trainers)))
+        info = {"master_address": self.host, "master_port": self.port, "trainer_world_size": self.trainers,
+                "world_size": self.world_size, "timeout": self.timeout, "ready_timeout": self.ready_timeout}
+        init = self._call("init_weight_transfer_engine", info) if self.rank == 0 else None
+        hello: dict[str, Any] = {"role": "trainer", "protocol": PROTOCOL, "rank": self.rank}
+        if self.rank == 0:
+            hello.update(leaves=source_to_data(source), recipe=self.recipe.to_data(), bucket_bytes=self.bucket_bytes)
+        try:
+            self.group = open_group(self.host, self.port, self.rank, self.world_size, timeout=self.ready_timeout)
+            hellos = all_gather_json(hello, self.group, timeout=self.ready_timeout, what="the handshake")
+            self.plan = plan_from_hellos(hellos)
+            self.sender = Sender(self.plan, rank=self.rank, timeout=self.timeout, ready_timeout=self.ready_timeout)
+        except BaseException as e:
+            self.close()
+            if init is not None:
+                _settle(init, e)
+            raise
+        if init is not None:
+            init.result()
+        return self.plan
+
+    def sync(self, params: Any, version: int) -> SyncReport:
+        """Sends ``params`` as ``version`` (the training step) to every worker; returns the workers' report.
+
+        Raises:
+          PlanMismatchError: the trainer's leaves and recipe do not match the engine (nothing moved).
+          SyncError: a peer died or stalled; the engine keeps serving its previous weights. The
+            group is closed; the next ``sync`` opens a new one (give a new ``port`` if the old
+            one may still be bound).
+        """
+        if self.group is None:
+            self.connect(params)
+        assert self.sender is not None and self.plan is not None
+        paused = False
+        update = None
+        try:
+            if self.rank == 0:
+                if hasattr(self.client, "pause_generation"):
+                    self.client.pause_generation()
+                    paused = True
+                self.client.start_weight_update()
+                update = self._call("update_weights", {"version": version})
+            self.sender.sync(params, version, group=self.group)
+            rows = all_gather_ints([0, 0], self.group, timeout=self.timeout, what="the byte report")
+            if update is not None:
+                update.result()
+                self.client.finish_weight_update(str(version))
+        except BaseException as e:
+            self.close()
+            if update is not None:
+                _settle(update, e)
+            raise
+        finally:
+            if paused:
+                self.client.resume_generation()
+        workers = range(self.trainers, self.world_size)
+        versions = {rows[r][0] for r in workers}
+        if versions != {version}:
+            raise SyncError(f"the workers report versions {sorted(versions)}, expected {version}.")
+        return SyncReport(version, {r: rows[r][1] for r in workers})
+
+    def close(self) -> None:
+        """Closes the group (the workers close theirs when a sync fails or on shutdown)."""
+        close_group(self.group)
+        self.group, self.sender = None, None
+
+
+def _settle(future: concurrent.futures.Future, cause: BaseException) -> None:
+    """Waits for a control-plane call that the failure ``cause`` also fails; logs its own error."""
+    try:
+        future.result()
+    except Exception as e:  # the workers' side of the same failure
+        log.info("trainer: the engine's call failed too (%s: %s) after %s", type(e).__name__, e,
+                 type(cause).__name__)
+
+
