@@ -93,3 +93,12 @@ def test_docs_own_model_snippet_runs(capsys):
     plan = scope["plan"]
     assert plan.param_map.ranks == (2, 3) and plan.source.ranks == (0, 1)
     assert plan.plan.stats().network_bytes == plan.plan.stats().lower_bound_bytes == plan.network_bytes
+
+
+@pytest.mark.parametrize("marker", ["ep_shard=\"e\", at=", "maxtext_param_map(cfg, source"])
+def test_docs_moe_and_real_tree_snippets_run(marker, capsys):
+    blocks = DOCS.read_text().split("```python\n")[1:]
+    (snippet,) = [b.split("```")[0] for b in blocks if marker in b.split("```")[0]]
+    exec(compile(snippet, str(DOCS), "exec"), {})
+    if "maxtext" in marker:
+        assert capsys.readouterr().out == "lm_head.weight (512, 256)\n"
