@@ -1,0 +1,169 @@
+"""Shared by the vLLM tests and their processes: the tiny Qwen3, its Hugging Face form, ports, messages.
+
+Importable without jax, torch and vLLM (every process imports it before choosing a side).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jreshard.nn import LlamaConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+AUTHKEY = b"jreshard-vllm-tests"
+TRAINERS = 2  # JAX processes, 2 simulated devices each, FSDP over 4
+TP = 2  # vLLM workers
+PROMPTS = [[1, 2, 3, 4, 5], [17, 400, 9], [999, 0, 512, 37, 8, 61]]
+MAX_TOKENS = 8
+
+
+def qwen3_config() -> LlamaConfig:
+    """A tiny Qwen3: vocabulary padded to 1024 by vLLM (TP rank 1 holds 488 rows and 24 padding rows),
+    one KV head replicated on both TP ranks."""
+    return LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=1, head_dim=32, qk_norm=True,
+                       tie_word_embeddings=False, name="qwen3-test")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kill_all(procs: Iterable[subprocess.Popen]) -> None:
+    """SIGKILLs the process group of every process still running (each started with start_new_session)."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait(30)
+
+
+def python() -> str:
+    return sys.executable
+
+
+def hf_to_flax(state: dict[str, np.ndarray], cfg: LlamaConfig) -> dict[str, np.ndarray]:
+    """Hugging Face Qwen3 tensors to the flax leaves of ``jreshard.nn`` (kernels are ``[in, out]``)."""
+    out = {"embed/embedding": state["model.embed_tokens.weight"], "final_norm/scale": state["model.norm.weight"],
+           "lm_head/kernel": state["lm_head.weight"].T}
+    for i in range(cfg.num_hidden_layers):
+        j, h = f"layers_{i}/", f"model.layers.{i}."
+        for n in "qkvo":
+            out[j + f"attn/{n}_proj/kernel"] = state[h + f"self_attn.{n}_proj.weight"].T
+        for n in "qk":
+            out[j + f"attn/{n}_norm/scale"] = state[h + f"self_attn.{n}_norm.weight"]
+        for n in ("gate", "up", "down"):
+            out[j + f"mlp/{n}_proj/kernel"] = state[h + f"mlp.{n}_proj.weight"].T
+        out[j + "input_norm/scale"] = state[h + "input_layernorm.weight"]
+        out[j + "post_attention_norm/scale"] = state[h + "post_attention_layernorm.weight"]
+    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
+
+
+def flax_to_hf(flat: dict[str, np.ndarray], cfg: LlamaConfig) -> dict[str, np.ndarray]:
+    """The inverse of ``hf_to_flax``."""
+    out = {"model.embed_tokens.weight": flat["embed/embedding"], "model.norm.weight": flat["final_norm/scale"],
+           "lm_head.weight": flat["lm_head/kernel"].T}
+    for i in range(cfg.num_hidden_layers):
+        j, h = f"layers_{i}/", f"model.layers.{i}."
+        for n in "qkvo":
+            out[h + f"self_attn.{n}_proj.weight"] = flat[j + f"attn/{n}_proj/kernel"].T
+        for n in "qk":
+            out[h + f"self_attn.{n}_norm.weight"] = flat[j + f"attn/{n}_norm/scale"]
+        for n in ("gate", "up", "down"):
+            out[h + f"mlp.{n}_proj.weight"] = flat[j + f"mlp/{n}_proj/kernel"].T
+        out[h + "input_layernorm.weight"] = flat[j + "input_norm/scale"]
+        out[h + "post_attention_layernorm.weight"] = flat[j + "post_attention_norm/scale"]
+    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
+
+
+def hf_model(cfg: LlamaConfig, state: dict[str, np.ndarray] | None = None, seed: int = 0) -> Any:
+    """A ``transformers`` Qwen3 with ``state`` (default: random weights, larger than the default init so
+    that greedy tokens are well separated)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    conf = transformers.Qwen3Config(**cfg.hf_kwargs(), initializer_range=0.1, max_position_embeddings=256,
+                                    attn_implementation="eager")
+    model = transformers.Qwen3ForCausalLM(conf).eval()
+    if state is not None:
+        model.load_state_dict({k: torch.from_numpy(np.array(v, copy=True)) for k, v in state.items()}, strict=True)
+    return model
+
+
+def hf_greedy(model: Any, prompts: list[list[int]], max_tokens: int) -> list[dict[str, list]]:
+    """Greedy tokens and their log-probabilities, one full forward per token (the oracle)."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids, tokens, logprobs = list(prompt), [], []
+            for _ in range(max_tokens):
+                logits = model(torch.tensor([ids])).logits[0, -1].double()
+                logp = torch.log_softmax(logits, -1)
+                t = int(torch.argmax(logp))
+                tokens.append(t)
+                logprobs.append(float(logp[t]))
+                ids.append(t)
+            out.append({"tokens": tokens, "logprobs": logprobs})
+    return out
+
+
+# ---------------------------------------------------------------- the engine server's messages
+def request(address: tuple[str, int], op: str, **args: Any) -> Any:
+    """One JSON request to the engine server; raises RuntimeError with the server-side error."""
+    from multiprocessing.connection import Client
+
+    with Client(address, authkey=AUTHKEY) as conn:
+        conn.send_bytes(json.dumps({"op": op, "args": args}).encode())
+        reply = json.loads(conn.recv_bytes().decode())
+    if not reply["ok"]:
+        raise RuntimeError(f"{reply['type']}: {reply['error']}")
+    return reply["result"]
+
+
+class RemoteClient:
+    """The four weight-sync phases (and pausing) of an engine server in another process.
+
+    Each call opens its own connection, so a helper thread and the caller's thread may call at once.
+    """
+
+    def __init__(self, address: tuple[str, int]) -> None:
+        self.address = address
+
+    def _call(self, method: str, *args: Any) -> Any:
+        return request(self.address, "call", method=method, args=list(args))
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._call("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self) -> None:
+        self._call("start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self._call("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._call("finish_weight_update", weight_version)
+
+    def pause_generation(self) -> None:
+        request(self.address, "pause")
+
+    def resume_generation(self) -> None:
+        request(self.address, "resume")

@@ -1,0 +1,136 @@
+"""One JAX trainer process of the vLLM tests (2 simulated devices, FSDP over both processes' 4).
+
+Started by tests/vllm/test_vllm_live.py, two at a time:
+``trainer_worker.py --rank R --jax-port P --sync-port Q --server PORT --model DIR --out DIR --versions 1,2``.
+Both start from the engine's initial weights (read from the saved model), take one training step per
+version and sync it into the engine through bridge.vllm.VLLMWeightSync. Rank 0 saves each version's
+weights (``params_v{v}.npz``) and every rank its events (``rank{R}.json``: reports, errors, plan bytes).
+Rank 0 waits for the file ``go_v{v}`` before the next version, so the test can query the engine in between.
+
+``--mode mismatch`` syncs with a recipe that asks for bfloat16 params (the engine holds float32);
+``--mode die`` makes rank 1 exit in the middle of the first sync.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import numpy as np  # noqa: E402
+
+from tests.vllm import _common as C  # noqa: E402
+
+events: dict = {"syncs": {}}
+
+
+def save(out: str, rank: int) -> None:
+    name = os.path.join(out, f"rank{rank}.json")
+    with open(name + ".tmp", "w") as f:
+        json.dump(events, f, indent=1)
+    os.replace(name + ".tmp", name)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    for a in ("--rank", "--jax-port", "--sync-port", "--server"):
+        ap.add_argument(a, type=int, required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--versions", default="1")
+    ap.add_argument("--mode", default="normal", choices=["normal", "mismatch", "die"])
+    args = ap.parse_args()
+
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from safetensors.numpy import load_file
+
+    from bridge.vllm import Recipe, VLLMWeightSync
+    from jreshard.nn import fsdp_spec, make_optimizer, train_step
+
+    jax.distributed.initialize(f"127.0.0.1:{args.jax_port}", num_processes=C.TRAINERS, process_id=args.rank,
+                               initialization_timeout=120)
+    mesh = jax.make_mesh((4,), ("fsdp",), devices=jax.devices(), axis_types=(jax.sharding.AxisType.Auto,))
+    cfg = C.qwen3_config()
+    flat = C.hf_to_flax(load_file(os.path.join(args.model, "model.safetensors")), cfg)
+    params: dict = {}
+    for path, a in flat.items():
+        node = params
+        *head, last = path.split("/")
+        for k in head:
+            node = node.setdefault(k, {})
+        sh = NamedSharding(mesh, P(*fsdp_spec(path, a.shape)))
+        node[last] = jax.make_array_from_callback(a.shape, sh, lambda idx, a=a: a[idx])
+    opt = make_optimizer(3e-2)
+    state = opt.init(params)
+    step = jax.jit(train_step, static_argnums=(0, 1))
+
+    recipe = Recipe.llama(cfg)
+    if args.mode == "mismatch":
+        recipe = Recipe(tuple(dataclasses.replace(r, dtype="bfloat16") for r in recipe.rules))
+    client = C.RemoteClient(("127.0.0.1", args.server)) if args.rank == 0 else None
+    sync = VLLMWeightSync(recipe, workers=C.TP, client=client, rank=args.rank, trainers=C.TRAINERS,
+                          port=args.sync_port, bucket_bytes=(64 << 10) if args.mode == "die" else (16 << 20),
+                          timeout=30.0, ready_timeout=120.0)
+    if args.mode == "die" and args.rank == 1:
+        from bridge.sender import Sender
+
+        original, calls = Sender._pack, [0]
+
+        def dying_pack(self, *a, **kw):
+            calls[0] += 1
+            if calls[0] == 3:  # mid-sync: two buckets were packed and posted
+                os._exit(17)
+            return original(self, *a, **kw)
+
+        Sender._pack = dying_pack
+
+    for v in [int(x) for x in args.versions.split(",")]:
+        tokens = jnp.asarray(np.random.default_rng(v).integers(0, cfg.vocab_size, (4, 16)), jnp.int32)
+        params, state, loss = step(cfg, opt, params, state, tokens)
+        full = multihost_utils.process_allgather(params, tiled=True)
+        if args.rank == 0:
+            from jax.tree_util import keystr, tree_flatten_with_path
+
+            arrays = {keystr(k, simple=True, separator="/"): np.asarray(x) for k, x in tree_flatten_with_path(full)[0]}
+            np.savez(os.path.join(args.out, f"params_v{v}.npz"), **arrays)
+        t0 = time.perf_counter()
+        try:
+            report = sync.sync(params, v)
+            plan = sync.plan
+            events["syncs"][str(v)] = {
+                "ok": True, "seconds": time.perf_counter() - t0, "loss": float(loss),
+                "bytes_received": {str(r): n for r, n in report.bytes_received.items()},
+                "plan_recv": {str(r): n for r, n in plan.rank_bytes()["recv"].items()},
+                "param_bytes": {str(r): sum(int(np.prod(p.shape)) * 4 for p in plan.param_map.for_rank(r))
+                                for r in plan.param_map.ranks},
+                "region_bytes": {str(r): sum(int(np.prod(g.shape)) * 4 for p in plan.param_map.for_rank(r)
+                                             for g in p.regions) for r in plan.param_map.ranks}}
+        except Exception as e:
+            events["syncs"][str(v)] = {"ok": False, "error": type(e).__name__, "message": str(e),
+                                       "trace": traceback.format_exc()[-3000:]}
+            save(args.out, args.rank)
+            break
+        save(args.out, args.rank)
+        if args.rank == 0:
+            go = os.path.join(args.out, f"go_v{v}")
+            deadline = time.monotonic() + 300
+            while not os.path.exists(go) and time.monotonic() < deadline:
+                time.sleep(0.2)
+    sync.close()
+    save(args.out, args.rank)
+
+
+if __name__ == "__main__":
+    main()
