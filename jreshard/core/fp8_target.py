@@ -1,0 +1,115 @@
+"""Where an FP8 tensor and its scales live on the inference side, split as vLLM splits them.
+
+vLLM's block-quantized linear layers give every tensor-parallel rank the weight rows
+(column parallel) or columns (row parallel) of its shard and the ``weight_scale_inv``
+rows or columns of the same blocks; a split whose shard size is not a multiple of
+the block is refused (``validate_fp8_block_shape``: "input_size_per_partition ... is
+not divisible by block_k"). ``fp8_target`` applies that rule to any Layout: each dim
+split into shards of whole blocks has its scale dim split over the same mesh axes;
+a dim whose block is the whole dim (per-tensor or per-channel scales) has one scale
+that every shard of it shares, so that scale dim is replicated.
+
+Example:
+  >>> from jreshard.core.fp8 import Fp8Format
+  >>> from jreshard.core.fp8_target import fp8_tp_target
+  >>> t = fp8_tp_target((7168, 2048), tp=8, dim=1)  # a row-parallel down projection
+  >>> t.weight.shard_shape(3), t.scale.shape, t.scale.shard_shape(3)
+  ((7168, 256), (56, 16), (56, 2))
+  >>> fp8_tp_target((7168, 2048), tp=32, dim=1)  # doctest: +ELLIPSIS
+  Traceback (most recent call last):
+  ValueError: tp=32 splits dim 1 (size 2048) into shards of 64, which cuts its blocks of 128 ...
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from jreshard.core.fp8 import SCALE_DTYPE, Fp8Format
+from jreshard.core.layout import Layout
+from jreshard.core.mesh import Mesh
+
+__all__ = ["Fp8Target", "fp8_target", "fp8_tp_target"]
+
+
+class Fp8Target(NamedTuple):
+    """The layouts of a quantized tensor on the inference side: FP8 ``weight`` and float32 ``scale``."""
+
+    weight: Layout
+    scale: Layout
+
+
+def _vllm_words(dim: int, ndim: int, shard: int, block: int) -> str:
+    # vLLM's own names for the two dims of a linear weight [out, in].
+    if dim == ndim - 1:
+        return f"input_size_per_partition = {shard} is not divisible by block_k = {block}"
+    if dim == ndim - 2:
+        return f"output_partition_size = {shard} is not divisible by block_n = {block}"
+    return f"a shard of {shard} does not hold whole blocks of {block}"
+
+
+def _target(layout: Layout, fmt: Fp8Format, what: str) -> Fp8Target:
+    bs = fmt.block_shape(layout.shape)
+    g = layout.grid
+    lead = layout.ndim - len(fmt.block)
+    spec: list[tuple[str, ...]] = []
+    for d, (n, axes, k, c, b) in enumerate(zip(layout.shape, layout.dim_axes, g.parts, g.chunk, bs, strict=True)):
+        whole = d >= lead and fmt.block[d - lead] is None
+        if k > 1 and not whole and c % b:
+            raise ValueError(
+                f"{what} splits dim {d} (size {n}) into shards of {c}, which cuts its blocks of {b} "
+                f"(fmt.block); vLLM refuses this split too ({_vllm_words(d, layout.ndim, c, b)}). Split that dim "
+                f"into shards of a multiple of {b} elements, or choose a block that divides {c}.")
+        spec.append(() if whole else axes)
+    weight = layout.with_dtype(fmt.dtype)
+    return Fp8Target(weight, Layout(fmt.scale_shape(layout.shape), layout.mesh, tuple(spec), SCALE_DTYPE))
+
+
+def fp8_target(layout: Layout, fmt: Fp8Format | None = None) -> Fp8Target:
+    """The FP8 weight layout and the ``weight_scale_inv`` layout for a destination ``layout``.
+
+    Args:
+      layout: where the inference side holds the weight (any mesh and spec; its dtype is replaced).
+      fmt: the format; defaults to ``Fp8Format()`` (e4m3fn, 128 x 128 blocks).
+
+    Raises:
+      TypeError: ``layout`` is not a Layout or ``fmt`` not an Fp8Format.
+      ValueError: a shard boundary of ``layout`` cuts a block, as vLLM refuses.
+    """
+    if not isinstance(layout, Layout):
+        raise TypeError(f"layout must be a jreshard.Layout, got {type(layout).__name__}.")
+    fmt = Fp8Format() if fmt is None else fmt
+    if not isinstance(fmt, Fp8Format):
+        raise TypeError(f"fmt must be an Fp8Format, got {type(fmt).__name__}.")
+    return _target(layout, fmt, "layout")
+
+
+def fp8_tp_target(shape: tuple[int, ...], tp: int, dim: int | None, fmt: Fp8Format | None = None,
+                  devices: Iterable[int] | None = None) -> Fp8Target:
+    """The FP8 target of one tensor split ``tp`` ways on ``dim`` (``None``: replicated), as vLLM splits it.
+
+    Args:
+      shape: the weight's shape, ``[out, in]`` for a linear layer (leading dims for stacked experts).
+      tp: the tensor-parallel degree.
+      dim: the dim ``tp`` splits: ``ndim - 2`` for column parallel, ``ndim - 1`` for row
+        parallel, ``None`` for a replicated weight.
+      fmt: the format; defaults to ``Fp8Format()``.
+      devices: the ``tp`` ranks, in order; defaults to ``range(tp)``.
+    """
+    if isinstance(tp, bool) or not isinstance(tp, numbers.Integral) or tp < 1:
+        raise ValueError(f"tp must be a positive int, got {tp!r}.")
+    shape = tuple(shape)
+    if dim is not None and (isinstance(dim, bool) or not isinstance(dim, numbers.Integral)
+                            or not 0 <= dim < len(shape)):
+        raise ValueError(f"dim must be None or a dim of shape {shape} (0 to {len(shape) - 1}), got {dim!r}.")
+    ids = list(range(tp) if devices is None else devices)
+    if len(ids) != tp:
+        raise ValueError(f"devices must list tp={tp} ranks, got {len(ids)}.")
+    spec: list[str | None] = [None] * len(shape)
+    if dim is not None:
+        spec[dim] = "tp"
+    fmt = Fp8Format() if fmt is None else fmt
+    if not isinstance(fmt, Fp8Format):
+        raise TypeError(f"fmt must be an Fp8Format, got {type(fmt).__name__}.")
+    return _target(Layout(shape, Mesh(ids, ("tp",)), tuple(spec)), fmt, f"tp={tp}")
