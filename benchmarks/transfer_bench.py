@@ -1,6 +1,7 @@
 """Benchmark of jreshard.transfer against the ways a weight sync is done without it.
 
-Run: ``.venv/bin/python benchmarks/transfer_bench.py`` (about 3-5 minutes on 2 cores).
+Run: ``.venv/bin/python benchmarks/transfer_bench.py`` (about 3-5 minutes on 2 cores);
+``--cases d`` runs case (d) alone.
 
 All methods run side by side in one run on 8 simulated CPU devices, several
 repetitions each; the script prints medians, ratios, the machine and versions.
@@ -12,6 +13,11 @@ Cases:
   (c) two processes with two devices each (jax.distributed, gloo): FSDP over the
       first process's devices to TP2 over the second's, against a raw ppermute of
       the same bytes between the same devices.
+
+  (d) first call and warm call with a cast: a few hundred float32 leaves of a few shapes
+      (``--leaves``), FSDP4 x TP2 to TP2 x DP4 on the same 8 devices, cast to bfloat16:
+      ``jreshard.transfer(..., dtype=bfloat16)`` against ``astype`` + ``jax.device_put``,
+      each method in a fresh process (nothing compiled before its first call).
 
 Methods (a, b): jreshard.transfer (both transports), ``jax.device_put(x, target)``,
 gather-then-scatter (replicate each tensor on the destination devices, then slice),
@@ -279,15 +285,96 @@ def run_multiprocess(reps: int, target_bytes: int) -> None:
           f"bit-exact: {r['ok']}")
 
 
+# --------------------------------------------------------------------------- case (d)
+
+FIRST_CALL_METHODS = ("jreshard.transfer (auto)", "jreshard.transfer (collective)", "astype + jax.device_put")
+FIRST_CALL_SHAPES = ((256, 256), (256, 512), (512, 256), (256,))
+
+
+def first_call_worker(method: str, leaves: int, reps: int) -> None:
+    """One method of case (d) in a fresh process: its first call, then its warm calls, as JSON."""
+    _setup(8)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import jreshard
+
+    devs = np.array(jax.devices())
+    train = jax.sharding.Mesh(devs.reshape(4, 2), ("fsdp", "tp"))
+    serve = jax.sharding.Mesh(devs.reshape(2, 4), ("tp", "dp"))
+    rng = np.random.default_rng(0)
+    params, target = {}, {}
+    for i in range(leaves):
+        shape = FIRST_CALL_SHAPES[i % len(FIRST_CALL_SHAPES)]
+        two_d = len(shape) == 2
+        host = rng.standard_normal(shape, np.float32)
+        params[f"layers/{i}"] = jax.device_put(host, NamedSharding(train, P("fsdp", "tp") if two_d else P("fsdp")))
+        target[f"layers/{i}"] = NamedSharding(serve, P(None, "tp") if two_d else P())
+    jax.block_until_ready(params)
+    if method == "astype + jax.device_put":
+        def run():
+            return jax.device_put({k: v.astype(jnp.bfloat16) for k, v in params.items()}, target)
+    else:
+        transport = method.split("(")[1].rstrip(")")
+
+        def run():
+            return jreshard.transfer(params, target, dtype=jnp.bfloat16, transport=transport)
+
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(run())
+    first = time.perf_counter() - t0
+    for k in list(params)[:4]:
+        want = np.asarray(params[k].astype(jnp.bfloat16)).view(np.uint16)
+        assert out[k].sharding == target[k] and np.array_equal(np.asarray(out[k]).view(np.uint16), want), k
+    del out
+    warm = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run())
+        warm.append(time.perf_counter() - t0)
+    print(json.dumps({"first": first, "warm": warm,
+                      "bytes": sum(x.nbytes for x in params.values())}), flush=True)
+
+
+def run_first_call(leaves: int, reps: int) -> None:
+    results = {}
+    for method in FIRST_CALL_METHODS:
+        proc = subprocess.run([sys.executable, __file__, "--first-call-worker", method, "--leaves", str(leaves),
+                               "--reps", str(reps)], capture_output=True, text=True, timeout=900,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+        if proc.returncode:
+            print(f"  case (d), {method} failed:\n{proc.stderr[-2000:]}")
+            return
+        results[method] = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
+    nbytes = next(iter(results.values()))["bytes"]
+    print(f"\ncase (d): {leaves} float32 leaves of shapes {list(FIRST_CALL_SHAPES)}, {nbytes / GiB:.3f} GiB, "
+          "FSDP4 x TP2 -> TP2 x DP4 on the same 8 devices, cast to bfloat16; each method in a fresh process")
+    warm = {method: statistics.median(r["warm"]) for method, r in results.items()}
+    for method, r in results.items():
+        print(f"  {method:<34} first {r['first'] * 1e3:8.1f} ms  warm median {warm[method] * 1e3:7.1f} ms"
+              f"  runs {', '.join(f'{t * 1e3:.0f}' for t in r['warm'])}")
+    base = "astype + jax.device_put"
+    for method in FIRST_CALL_METHODS[:2]:
+        print(f"  ratio, case (d), {method} / {base}: first call "
+              f"{results[method]['first'] / results[base]['first']:.2f}x, warm {warm[method] / warm[base]:.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--bytes", type=int, default=GiB, help="model size for cases a and b")
     ap.add_argument("--mp-bytes", type=int, default=GiB // 4, help="model size for case c")
-    ap.add_argument("--cases", default="abc")
+    ap.add_argument("--cases", default="abcd")
+    ap.add_argument("--leaves", type=int, default=256, help="leaves for case d")
+    ap.add_argument("--first-call-worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.first_call_worker is not None:
+        first_call_worker(args.first_call_worker, args.leaves, args.reps)
+        return
     if args.worker is not None:
         worker(args.worker, args.port, args.reps, args.bytes)
         return
@@ -300,6 +387,8 @@ def main() -> None:
             report(case, run_single(case, args.reps, args.bytes))
     if "c" in args.cases:
         run_multiprocess(args.reps, args.mp_bytes)
+    if "d" in args.cases:
+        run_first_call(args.leaves, args.reps)
 
 
 if __name__ == "__main__":

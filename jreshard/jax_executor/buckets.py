@@ -126,7 +126,7 @@ def build_programs(buckets: Sequence[Bucket], dests: Destinations, transport: Tr
         for s, outgoing in sent.items():
             if s in transport.local_ids:
                 leaves = tuple(sorted({p.leaf for m, _ in outgoing for p in m.pieces}))
-                pack = programs.make_pack(leaves, outgoing, src_dtypes, dests.dtypes) if compiled else None
+                pack = programs.pack_program(leaves, outgoing, src_dtypes, dests.dtypes) if compiled else None
                 sends[s] = Send(leaves, tuple(outgoing), pack)
         receives = {}
         for d in sorted((set(got) | set(bucket.local)) & transport.local_ids):
@@ -139,14 +139,14 @@ def build_programs(buckets: Sequence[Bucket], dests: Destinations, transport: Tr
             unpack = None
             if compiled:
                 finish = frozenset(i for i in touched if last[(i, d)] == b)
-                unpack = programs.make_unpack(carried, fresh, got[d], local, local_leaves,
-                                              {i: dests.shape(i, d) for i in touched}, src_dtypes, dests.dtypes,
-                                              finish)
+                unpack = programs.unpack_program(carried, fresh, got[d], local, local_leaves,
+                                                 {i: dests.shape(i, d) for i in touched}, src_dtypes, dests.dtypes,
+                                                 finish)
             receives[d] = Receive(carried, fresh, tuple(got[d]), tuple(local), local_leaves, unpack)
         comm = None
         if collective and bucket.rounds:
             assert transport.mesh is not None
-            perms = [tuple((position[m.src], position[m.dst]) for m in msgs) for msgs in bucket.rounds]
+            perms = tuple(tuple((position[m.src], position[m.dst]) for m in msgs) for msgs in bucket.rounds)
             comm = programs.make_comm(transport.mesh, perms)
         out.append(BucketProgram(bucket.rounds, widths, sends, receives, comm))
     return out
@@ -211,7 +211,7 @@ class BucketRunner:
             buf = buffers[(m.src, m.dst)]
             for p, off in zip(m.pieces, m.offsets, strict=True):
                 dst = buf[off:off + p.nbytes].view(host.uint_dtype(dests.dtypes[p.leaf].itemsize))
-                dst.reshape(p.shape)[...] = views[(p.leaf, s)][p.src_box]
+                shards.casts.sink(p.leaf, dst.reshape(p.shape))[...] = views[(p.leaf, s)][p.src_box]
             return buf
 
         filled = host.parallel_map(pack, tasks)
@@ -232,7 +232,7 @@ class BucketRunner:
                     uint = host.uint_dtype(dests.dtypes[p.leaf].itemsize)
                     outs[(p.leaf, d)][p.dst_box] = raw[off:off + p.nbytes].view(uint).reshape(p.shape)
             for p in r.local:
-                outs[(p.leaf, d)][p.dst_box] = views[(p.leaf, d)][p.src_box]
+                shards.casts.sink(p.leaf, outs[(p.leaf, d)])[p.dst_box] = views[(p.leaf, d)][p.src_box]
 
         host.parallel_map(unpack, prog.receives.items())
 

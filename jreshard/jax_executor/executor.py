@@ -25,6 +25,7 @@ from jreshard.core.plans import Plan, TensorPlan
 from jreshard.core.schedule import Piece, pieces, schedule
 from jreshard.jax_executor import host, programs
 from jreshard.jax_executor.buckets import BucketRunner, Results, Transport, build_programs
+from jreshard.jax_executor.casts import HostCasts
 from jreshard.jax_executor.shards import Destinations, SourceShards
 
 __all__ = ["Spec", "Executor", "executor", "EXECUTOR_CACHE_SIZE"]
@@ -80,8 +81,9 @@ class MemcpyRunner:
 
         def fill(c: ShardCopy) -> np.ndarray:
             out = host.OUTPUTS.take(dests.shape(c.leaf, c.device), host.uint_dtype(dests.dtypes[c.leaf].itemsize))
+            sink = shards.casts.sink(c.leaf, out)
             for p in c.pieces:
-                out[p.dst_box] = views[(c.leaf, p.src)][p.src_box]
+                sink[p.dst_box] = views[(c.leaf, p.src)][p.src_box]
             return out.view(dests.dtypes[c.leaf])
 
         filled = host.parallel_map(fill, self.copies)
@@ -104,8 +106,7 @@ class Executor:
             raise ValueError(f"the plan names devices {missing} that jax does not have; its devices are "
                              f"{sorted(devices)}. Make the plan from the arrays and shardings passed.")
         self._devices = devices
-        self._casts = {i: jax.jit(functools.partial(_cast, dtype=dt))
-                       for i, (src, dt) in enumerate(zip(spec.src_dtypes, spec.dtypes, strict=True)) if src != dt}
+        self._casts = HostCasts.build(spec.src_dtypes, spec.dtypes)
         self.buckets = [] if spec.transport == "memcpy" else schedule(
             spec.tplans, itemsizes=[dt.itemsize for dt in spec.dtypes], cap=spec.cap,
             skip_leaves=dests.passthrough, skip_shards=dests.reuse)
@@ -153,6 +154,3 @@ def executor(spec: Spec) -> Executor:
     """The executor for ``spec``, built on first use (the most recently used ones are kept)."""
     return Executor(spec)
 
-
-def _cast(x: jax.Array, dtype: np.dtype) -> jax.Array:
-    return x.astype(dtype)

@@ -58,9 +58,18 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
 
 
 def parallel_map(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
-    """``fn`` over ``items`` on the copy threads (in this thread for a single item)."""
+    """``fn`` over ``items`` on the copy threads (in this thread for a single item).
+
+    ``fn`` runs without NumPy's floating-point error reports: a cast inside a copy
+    meets NaNs and overflows as data, exactly as XLA's does.
+    """
     items = list(items)
-    return list(_pool().map(fn, items)) if len(items) > 1 else [fn(x) for x in items]
+
+    def quiet(x: T) -> R:
+        with np.errstate(all="ignore"):  # thread-local, so set in the thread that copies
+            return fn(x)
+
+    return list(_pool().map(quiet, items)) if len(items) > 1 else [quiet(x) for x in items]
 
 
 class OutputPool:

@@ -14,6 +14,8 @@ NaN payloads; integer copies keep every bit.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -26,10 +28,12 @@ from jax.sharding import PartitionSpec as P
 
 from jreshard.core.schedule import Message, Piece
 
-__all__ = ["make_pack", "make_unpack", "make_comm", "assemble", "UINT"]
+__all__ = ["pack_program", "unpack_program", "make_pack", "make_unpack", "make_comm", "assemble", "UINT",
+           "PROGRAM_CACHE_SIZE"]
 
 UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 AXIS = "x"  # the one axis of the mesh of every device of a transfer
+PROGRAM_CACHE_SIZE = 256  # pack and unpack programs kept, keyed by what they do (not by leaf or device)
 
 
 def _as_uint(x: jax.Array) -> jax.Array:
@@ -106,6 +110,47 @@ def assemble(parts: Sequence[tuple[tuple[int, ...], jax.Array]], shape: tuple[in
     return None
 
 
+def _slots(leaves: Sequence[int]) -> dict[int, int]:
+    return {leaf: k for k, leaf in enumerate(leaves)}
+
+
+def _relabel(p: Piece, slot: Mapping[int, int]) -> Piece:
+    """``p`` with its leaf as a slot of the program's arguments and no devices: what a program depends on."""
+    return dataclasses.replace(p, leaf=slot[p.leaf], src=0, dst=0)
+
+
+def _relabel_message(m: Message, slot: Mapping[int, int]) -> Message:
+    return Message(0, 0, tuple(_relabel(p, slot) for p in m.pieces), m.offsets, m.nbytes)
+
+
+def pack_program(leaves: tuple[int, ...], messages: Sequence[tuple[Message, int]], src_dtypes: Sequence[np.dtype],
+                 dtypes: Sequence[np.dtype]) -> Callable[..., tuple[jax.Array, ...]]:
+    """``make_pack``, shared by every sender and bucket that slices and casts the same way.
+
+    Leaves become argument slots and devices are dropped, so a bucket that moves
+    other leaves of the same shapes in the same way reuses the jitted program,
+    which jax keeps compiled per device and input shapes.
+    """
+    slot = _slots(leaves)
+    return make_pack(tuple(range(len(leaves))), tuple((_relabel_message(m, slot), w) for m, w in messages),
+                     tuple(src_dtypes[i] for i in leaves), tuple(dtypes[i] for i in leaves))
+
+
+def unpack_program(carried: tuple[int, ...], fresh: tuple[int, ...], messages: Sequence[Message],
+                   local: Sequence[Piece], local_leaves: tuple[int, ...], shapes: Mapping[int, tuple[int, ...]],
+                   src_dtypes: Sequence[np.dtype], dtypes: Sequence[np.dtype],
+                   finish: frozenset[int]) -> Callable[..., tuple[jax.Array, ...]]:
+    """``make_unpack``, shared by every receiver and bucket that writes the same way (see ``pack_program``)."""
+    leaves = sorted({*carried, *fresh, *local_leaves})
+    slot = _slots(leaves)
+    return make_unpack(tuple(slot[i] for i in carried), tuple(slot[i] for i in fresh),
+                       tuple(_relabel_message(m, slot) for m in messages), tuple(_relabel(p, slot) for p in local),
+                       tuple(slot[i] for i in local_leaves), tuple(shapes.get(i, ()) for i in leaves),
+                       tuple(src_dtypes[i] for i in leaves), tuple(dtypes[i] for i in leaves),
+                       frozenset(slot[i] for i in finish))
+
+
+@functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)
 def make_pack(leaves: tuple[int, ...], messages: Sequence[tuple[Message, int]], src_dtypes: Sequence[np.dtype],
               dtypes: Sequence[np.dtype]) -> Callable[..., tuple[jax.Array, ...]]:
     """One sender's messages in one bucket: its source shards of ``leaves`` in, one uint8 buffer per message out.
@@ -132,8 +177,9 @@ def make_pack(leaves: tuple[int, ...], messages: Sequence[tuple[Message, int]], 
     return jax.jit(pack)
 
 
+@functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)
 def make_unpack(carried: tuple[int, ...], fresh: tuple[int, ...], messages: Sequence[Message],
-                local: Sequence[Piece], local_leaves: tuple[int, ...], shapes: Mapping[int, tuple[int, ...]],
+                local: Sequence[Piece], local_leaves: tuple[int, ...], shapes: Sequence[tuple[int, ...]],
                 src_dtypes: Sequence[np.dtype], dtypes: Sequence[np.dtype],
                 finish: frozenset[int]) -> Callable[..., tuple[jax.Array, ...]]:
     """One receiver's writes in one bucket: ``(carried shards, received buffers, own source shards)`` in.
@@ -167,8 +213,12 @@ def make_unpack(carried: tuple[int, ...], fresh: tuple[int, ...], messages: Sequ
     return jax.jit(unpack, donate_argnums=(0,) if carried else ())
 
 
-def make_comm(mesh: jax.sharding.Mesh, perms: Sequence[tuple[tuple[int, int], ...]]) -> Callable[..., Any]:
-    """One ``ppermute`` per round inside one ``shard_map`` over ``mesh`` (every device of the transfer)."""
+@functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)
+def make_comm(mesh: jax.sharding.Mesh, perms: tuple[tuple[tuple[int, int], ...], ...]) -> Callable[..., Any]:
+    """One ``ppermute`` per round inside one ``shard_map`` over ``mesh`` (every device of the transfer).
+
+    Shared by the buckets (and executors) with the same rounds over the same devices.
+    """
 
     def comm(*bufs: jax.Array) -> tuple[jax.Array, ...]:
         return tuple(jax.lax.ppermute(b, AXIS, perm=list(perm)) for b, perm in zip(bufs, perms, strict=True))

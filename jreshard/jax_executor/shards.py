@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -12,7 +12,7 @@ from jax.sharding import Sharding
 from jreshard.core.box import Box
 from jreshard.core.layout import Layout
 from jreshard.core.plans import TensorPlan
-from jreshard.jax_executor import host
+from jreshard.jax_executor.casts import HostCasts
 
 __all__ = ["Destinations", "SourceShards"]
 
@@ -63,9 +63,9 @@ class Destinations:
 class SourceShards:
     """One sync's source shards by (leaf, device), looked up once per leaf."""
 
-    def __init__(self, values: Sequence[jax.Array], casts: Mapping[int, Callable[[jax.Array], jax.Array]]) -> None:
+    def __init__(self, values: Sequence[jax.Array], casts: HostCasts) -> None:
         self._values = values
-        self._casts = casts
+        self.casts = casts
         self._shards: dict[int, dict[int, jax.Array]] = {}
         self._views: dict[tuple[int, int], np.ndarray] = {}
 
@@ -76,14 +76,11 @@ class SourceShards:
         return self._shards[leaf][device]
 
     def host_views(self, needed: Iterable[tuple[int, int]]) -> dict[tuple[int, int], np.ndarray]:
-        """Zero-copy NumPy views (as uint, cast to the output dtype first) of the ``needed`` (leaf, device) shards.
+        """Zero-copy NumPy views of the ``needed`` (leaf, device) shards, to be copied into ``casts.sink``.
 
         Made in the calling thread, so that the copy threads only read them.
         """
         for key in needed:
             if key not in self._views:
-                x = self.get(*key)
-                if key[0] in self._casts:
-                    x = self._casts[key[0]](x)
-                self._views[key] = host.as_uint(np.asarray(x))
+                self._views[key] = self.casts.source(key[0], self.get(*key))
         return self._views
