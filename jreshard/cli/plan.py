@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import sys
 import time
@@ -12,6 +13,7 @@ from typing import Any, cast
 
 from jreshard.core.planner import Plan, PlanStats, clear_cache, plan
 from jreshard.fleet import catalog, cost
+from jreshard.fleet.fp8 import AmaxSummary
 from jreshard.fleet.layer import format_layer, predict_layer
 from jreshard.fleet.presets import parse_degrees
 from jreshard.fleet.scenario import Scenario, ScenarioError, load_scenario
@@ -32,7 +34,11 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("--train", help="training degrees, e.g. tp=4,pp=4,dp=2 (also ep, cp, fsdp, expert_tp)")
     p.add_argument("--infer", help="inference degrees, e.g. tp=4,dp=8 (also ep, expert_tp)")
     p.add_argument("--hardware", help=f"hardware name ({', '.join(cost.hardware_names())}) or JSON path")
-    p.add_argument("--dtype", help="weight dtype (default: the model's)")
+    p.add_argument("--dtype", help="delivered weight dtype (default: the model's); an FP8 type such as float8_e4m3fn "
+                                   "quantizes at the sender: block-scaled FP8 for the linear layers, the model's "
+                                   "dtype for embeddings, heads, norms and routers")
+    p.add_argument("--fp8-block", metavar="BLOCK",
+                   help="FP8 scale block: 128x128 (default), 128, 'tensor' or 'channel'")
     p.add_argument("--colocated", action="store_true", help="training and inference share devices")
     p.add_argument("--gpus-per-domain", type=int, help="override the hardware's NVLink domain size")
     p.add_argument("--experts", choices=("separate", "stacked"), default="separate",
@@ -46,7 +52,15 @@ def add_plan_parser(sub: Any) -> None:
                    help="progress bar on stderr (auto: for large models on a terminal)")
 
 
-_FLAGS = {"model": "--model", "train": "--train", "infer": "--infer", "hardware": "--hardware", "dtype": "--dtype"}
+_FLAGS = {"model": "--model", "train": "--train", "infer": "--infer", "hardware": "--hardware", "dtype": "--dtype",
+          "fp8_block": "--fp8-block"}
+
+
+def _restated(exc: ScenarioError, args: argparse.Namespace, fields: tuple[str, ...]) -> ScenarioError:
+    """The error with the scenario field restated as the flag that set it (when a flag did)."""
+    if exc.field not in fields:
+        return exc
+    return ScenarioError(f"{_FLAGS[exc.field]} {getattr(args, exc.field)!r}: {exc.reason}")
 
 
 def _scenario_from_args(args: argparse.Namespace) -> Scenario:
@@ -55,7 +69,11 @@ def _scenario_from_args(args: argparse.Namespace) -> Scenario:
         given = [k for k, v in flags.items() if v]
         if given:
             raise ScenarioError(f"give either a scenario file or {', '.join(flags)}, not both (got {given[0]}).")
-        return load_scenario(args.scenario)
+        try:
+            return load_scenario(args.scenario, dtype=args.dtype, fp8_block=args.fp8_block)
+        except ScenarioError as exc:
+            overridden = tuple(f for f in ("dtype", "fp8_block") if getattr(args, f) is not None)
+            raise _restated(exc, args, overridden) from None
     missing = [k for k, v in flags.items() if not v]
     if missing:
         raise ScenarioError(f"without a scenario file, {missing[0]} is required (flags {', '.join(flags)}).")
@@ -68,15 +86,14 @@ def _scenario_from_args(args: argparse.Namespace) -> Scenario:
             raise ScenarioError(f"--{side} {text!r}: {exc}") from None
     if args.dtype:
         data["dtype"] = args.dtype
+    if args.fp8_block:
+        data["fp8_block"] = args.fp8_block
     if args.gpus_per_domain:
         data["gpus_per_domain_override"] = args.gpus_per_domain
     try:
         return load_scenario(data, name=f"{args.model} train {args.train} infer {args.infer} on {args.hardware}")
     except ScenarioError as exc:
-        # Restate the scenario field as the flag that set it.
-        if exc.field not in _FLAGS:
-            raise
-        raise ScenarioError(f"{_FLAGS[exc.field]} {getattr(args, exc.field)!r}: {exc.reason}") from None
+        raise _restated(exc, args, tuple(_FLAGS)) from None
 
 
 class _Steps:
@@ -115,10 +132,12 @@ class _Steps:
 def plan_report(s: Scenario, *, experts: str = "separate", hierarchical: str = "auto",
                 progress: bool = False) -> dict[str, Any]:
     """Plans scenario ``s`` and returns the report (the ``--json`` object)."""
-    steps = _Steps(progress, 5)
+    steps = _Steps(progress, 6)
     try:
         with steps.step("layouts"):
             src, dst = s.layouts(experts)
+        with steps.step("FP8 amax exchange"):
+            fp8 = s.fp8_costs(experts)
         with steps.step("plan (cold)"):
             clear_cache()
             t0 = time.perf_counter()
@@ -132,13 +151,13 @@ def plan_report(s: Scenario, *, experts: str = "separate", hierarchical: str = "
             st: PlanStats = p.stats()
         with steps.step("cost model"):
             cmp = cost.compare(src, dst, s.topology(), hierarchical=hierarchical, jreshard_plan=p,
-                               progress=steps.wrap if progress else None)
+                               progress=steps.wrap if progress else None, fp8=fp8[0] if fp8 else None)
     finally:
         steps.close()
     return {
         "scenario": s.name,
         "model": s.model.name,
-        "tensors": len(src),
+        "tensors": len(src) - (fp8[1].quantized if fp8 else 0),  # model tensors; scale leaves not counted
         "train_gpus": s.train_gpus,
         "infer_gpus": s.infer_gpus,
         # The direct plan's statistics: bytes between distinct devices, network and NVLink together.
@@ -166,7 +185,16 @@ def plan_report(s: Scenario, *, experts: str = "separate", hierarchical: str = "
         "labels": {**LABELS, "predicted_seconds": {"delivery": f"jreshard: {cmp.delivery}; baselines: their own",
                                                    "links": "network and NVLink"}},
         "published": dict(s.published),
+        "fp8": _fp8_report(s, fp8[1]) if fp8 else None,
     }
+
+
+def _fp8_report(s: Scenario, summary: AmaxSummary) -> dict[str, Any]:
+    fmt = s.fp8
+    assert fmt is not None  # only called under FP8 delivery
+    return {"dtype": fmt.dtype, "block": list(fmt.block), "scaling": fmt.scaling, "amax_floor": fmt.amax_floor,
+            "kept_dtype": s.model.get("dtype") or s.model.get("torch_dtype") or "bfloat16",
+            **dataclasses.asdict(summary)}
 
 
 # What each figure of the report counts: which delivery, and which links its bytes cross.
@@ -225,6 +253,16 @@ def format_report(r: dict[str, Any]) -> str:
         ("predicted flat direct", _links(pred["flat_direct"])),
         ("planning time", f"cold {r['plan_seconds_cold']:.3f} s, warm {r['plan_seconds_warm'] * 1e3:.2f} ms"),
     ]
+    f8 = r.get("fp8")
+    if f8:
+        block = "x".join("all" if b is None else str(b) for b in f8["block"])
+        rows[2:2] = [
+            ("FP8 delivery", f"{f8['quantized']:,} tensors in {f8['dtype']} ({_gb(f8['fp8_bytes'])}) with "
+                             f"{block} scales ({_gb(f8['scale_bytes'])}); {f8['kept']:,} kept in {f8['kept_dtype']} "
+                             f"({_gb(f8['kept_bytes'])}); one copy each"),
+            ("amax exchange", f"{f8['cut_blocks']:,} blocks cut by training shards: {f8['nbytes']:,} bytes in "
+                              f"{f8['messages']:,} messages, before the sends"),
+        ]
     if pub:
         rows.append(("published", ", ".join(f"{k} {v}" for k, v in pub.items())))
     width = max(len(k) for k, _ in rows)

@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -145,6 +146,11 @@ class QuantPlan:
         counts = [d.stop - d.first for d in self._dims]
         grid = functools.reduce(np.multiply.outer, counts) if counts else np.ones(())
         return np.argwhere(np.asarray(grid) > 1)
+
+    def num_cut_blocks(self) -> int:
+        """How many blocks shard boundaries cut, counted per dim (no block is listed)."""
+        counts = [d.stop - d.first for d in self._dims]
+        return math.prod(len(c) for c in counts) - math.prod(int((c == 1).sum()) for c in counts)
 
     def parts(self, block: Any) -> tuple[BlockPart, ...]:
         """The parts of ``block`` (a scale-grid index), one per distinct shard that overlaps it."""

@@ -30,7 +30,7 @@ from jreshard.core.fp8 import SCALE_DTYPE, Fp8Format
 from jreshard.core.layout import Layout
 from jreshard.core.mesh import Mesh
 
-__all__ = ["Fp8Target", "fp8_target", "fp8_tp_target"]
+__all__ = ["Fp8Target", "fp8_target", "fp8_tp_target", "scale_layout"]
 
 
 class Fp8Target(NamedTuple):
@@ -49,21 +49,35 @@ def _vllm_words(dim: int, ndim: int, shard: int, block: int) -> str:
     return f"a shard of {shard} does not hold whole blocks of {block}"
 
 
-def _target(layout: Layout, fmt: Fp8Format, what: str) -> Fp8Target:
+def _check(layout: Layout, fmt: Fp8Format, what: str) -> None:
     bs = fmt.block_shape(layout.shape)
     g = layout.grid
     lead = layout.ndim - len(fmt.block)
-    spec: list[tuple[str, ...]] = []
-    for d, (n, axes, k, c, b) in enumerate(zip(layout.shape, layout.dim_axes, g.parts, g.chunk, bs, strict=True)):
+    for d, (n, k, c, b) in enumerate(zip(layout.shape, g.parts, g.chunk, bs, strict=True)):
         whole = d >= lead and fmt.block[d - lead] is None
         if k > 1 and not whole and c % b:
             raise ValueError(
                 f"{what} splits dim {d} (size {n}) into shards of {c}, which cuts its blocks of {b} "
                 f"(fmt.block); vLLM refuses this split too ({_vllm_words(d, layout.ndim, c, b)}). Split that dim "
                 f"into shards of a multiple of {b} elements, or choose a block that divides {c}.")
-        spec.append(() if whole else axes)
-    weight = layout.with_dtype(fmt.dtype)
-    return Fp8Target(weight, Layout(fmt.scale_shape(layout.shape), layout.mesh, tuple(spec), SCALE_DTYPE))
+
+
+def scale_layout(layout: Layout, fmt: Fp8Format) -> Layout:
+    """The scale grid over ``layout``'s mesh: each dim split as the weight's, whole-dim blocks replicated.
+
+    Where no shard boundary cuts a block (``fp8_target`` checks it), every device holds
+    the scales of exactly the blocks its weight shard holds. Where boundaries cut blocks
+    (a trainer's FSDP shards), a cut block's scale is placed by the scale grid's own
+    split; the cost model uses that as the source of the scales.
+    """
+    lead = layout.ndim - len(fmt.block)
+    spec = tuple(() if d >= lead and fmt.block[d - lead] is None else axes for d, axes in enumerate(layout.dim_axes))
+    return Layout(fmt.scale_shape(layout.shape), layout.mesh, spec, SCALE_DTYPE)
+
+
+def _target(layout: Layout, fmt: Fp8Format, what: str) -> Fp8Target:
+    _check(layout, fmt, what)
+    return Fp8Target(layout.with_dtype(fmt.dtype), scale_layout(layout, fmt))
 
 
 def fp8_target(layout: Layout, fmt: Fp8Format | None = None) -> Fp8Target:

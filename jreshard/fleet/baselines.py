@@ -5,7 +5,9 @@
   pipelined chain through every inference device that holds part of it; the chain
   enters each NVLink domain once over the network and continues over NVLink, its
   entry device rotating per tensor (as NCCL rotates rings over NICs). One message
-  per tensor per hop (one collective per tensor).
+  per tensor per hop (one collective per tensor). A *rider* (an FP8 weight's scale)
+  travels in its weight's collective: its bytes join the weight's broadcast and it
+  adds no message (its gather, 1/4096 of the weight's bytes at 128x128 blocks, is left out).
 - ``flat_direct``: point-to-point sends of exactly the missing pieces, each from
   the first replica (no replica balancing, no hierarchy).
 
@@ -49,10 +51,15 @@ def _roots(src: Mapping[str, Layout], names: list[str]) -> dict[str, Layout]:
     return out
 
 
-def gather_broadcast(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology) -> Prediction:
-    """Predicted time of gathering each tensor whole, then broadcasting it along a chain."""
+def gather_broadcast(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology, *,
+                     riders: Mapping[str, str] | None = None) -> Prediction:
+    """Predicted time of gathering each tensor whole, then broadcasting it along a chain.
+
+    ``riders`` maps a leaf to the leaf whose collective carries it (a scale to its weight).
+    """
     check_pair(src, dst)
-    names = sorted(src)
+    riders = riders or {}
+    names = sorted(n for n in src if n not in riders)
     roots = _roots(src, names)
     gather = plan({n: src[n] for n in names}, roots, balance=False)
     traffic = Traffic.zeros(0)
@@ -67,6 +74,10 @@ def gather_broadcast(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo:
         lay = dst[n]
         groups.setdefault((lay.mesh, lay.dim_axes, lay.shape), []).append(t)
     sizes = np.array([src[n].size * dst[n].itemsize for n in names], dtype=float)
+    extra: dict[str, int] = {}
+    for rider, host in riders.items():
+        extra[host] = extra.get(host, 0) + dst[rider].nbytes
+    sizes += np.array([extra.get(n, 0) for n in names], dtype=float)
     root_ids = np.array([roots[n].mesh.device_ids[0] for n in names], dtype=np.int64)
     for ts in groups.values():
         lay = dst[names[ts[0]]]

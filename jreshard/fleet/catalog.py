@@ -7,6 +7,10 @@ norm and the head), its *role* (how tensor parallelism cuts it) and, for routed
 experts, the expert index (or ``stacked=True`` when the experts are one
 ``[experts, ...]`` tensor), and for attention projections the number of heads in
 the tensor-parallel dim (split by the vLLM head rule of ``jreshard.core.heads``).
+``quantize`` marks the tensors an FP8 checkpoint stores in block-scaled FP8
+(``jreshard.core.fp8``): the weights of linear layers, as in DeepSeek-V3's
+checkpoint; embeddings, heads, norms, routers and the multi-token-prediction
+``eh_proj`` (a plain linear layer in vLLM) stay in the model's dtype.
 
 Roles:
   ``embed``     vocabulary-parallel embedding ``[vocab, hidden]`` (dim 0 over tp)
@@ -49,7 +53,8 @@ class TensorInfo:
 
     ``heads`` is the number of attention heads in the tensor-parallel dim (dim 0 of
     a column, dim 1 of a row projection), ``None`` for tensors without heads;
-    ``replicate_heads`` marks KV heads, which vLLM replicates over extra TP ranks.
+    ``replicate_heads`` marks KV heads, which vLLM replicates over extra TP ranks;
+    ``quantize`` tensors that FP8 delivery quantizes (the others keep ``dtype``).
     """
 
     name: str
@@ -61,6 +66,7 @@ class TensorInfo:
     stacked: bool = False
     heads: int | None = None
     replicate_heads: bool = False
+    quantize: bool = False
 
     @property
     def size(self) -> int:
@@ -249,9 +255,11 @@ class _Adder:
 
     def __call__(self, name: str, shape: tuple[int, ...], role: str, layer: int | None = None,
                  expert: int | None = None, stacked: bool = False, *, heads: int | None = None,
-                 replicate_heads: bool = False) -> None:
+                 replicate_heads: bool = False, linear: bool = False) -> None:
+        # FP8 checkpoints quantize the tensor-parallel linear layers and the replicated low-rank ones.
+        quantize = linear or role in ("column", "row")
         self.out.append(TensorInfo(name, tuple(int(n) for n in shape), self.dtype, role, layer, expert, stacked,
-                                   heads, replicate_heads))
+                                   heads, replicate_heads, quantize))
 
 
 def _attention(cfg: ModelConfig, add: _Adder, p: str, i: int) -> None:
@@ -260,12 +268,12 @@ def _attention(cfg: ModelConfig, add: _Adder, p: str, i: int) -> None:
         nope, rope, vd, kvr = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
         qr = cfg.get("q_lora_rank")
         if qr:
-            add(p + "q_a_proj.weight", (qr, h), "replicated", i)
+            add(p + "q_a_proj.weight", (qr, h), "replicated", i, linear=True)
             add(p + "q_a_layernorm.weight", (qr,), "replicated", i)
             add(p + "q_b_proj.weight", (nh * (nope + rope), qr), "column", i, heads=nh)
         else:
             add(p + "q_proj.weight", (nh * (nope + rope), h), "column", i, heads=nh)
-        add(p + "kv_a_proj_with_mqa.weight", (kvr + rope, h), "replicated", i)
+        add(p + "kv_a_proj_with_mqa.weight", (kvr + rope, h), "replicated", i, linear=True)
         add(p + "kv_a_layernorm.weight", (kvr,), "replicated", i)
         add(p + "kv_b_proj.weight", (nh * (nope + vd), kvr), "column", i, heads=nh)
         add(p + "o_proj.weight", (h, nh * vd), "row", i, heads=nh)

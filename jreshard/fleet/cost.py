@@ -45,6 +45,7 @@ from collections.abc import Callable, Mapping
 from jreshard.core.layout import Layout
 from jreshard.core.planner import Plan, plan
 from jreshard.fleet.baselines import flat_direct, gather_broadcast
+from jreshard.fleet.fp8 import Fp8Costs
 from jreshard.fleet.hardware import Hardware, Topology, hardware_names, load_hardware
 from jreshard.fleet.hierarchical import (
     StagePart,
@@ -93,7 +94,8 @@ class Comparison:
 
 
 def compare(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology, *, hierarchical: str = "auto",
-            jreshard_plan: Plan | None = None, progress: Callable | None = None) -> Comparison:
+            jreshard_plan: Plan | None = None, progress: Callable | None = None,
+            fp8: Fp8Costs | None = None) -> Comparison:
     """Predicts jreshard (direct and, where it applies, hierarchical) and both baselines.
 
     Args:
@@ -102,6 +104,10 @@ def compare(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology
       hierarchical: ``'auto'`` (predict both, keep the faster), ``'always'`` or ``'never'``.
       jreshard_plan: the direct plan if already computed.
       progress: optional callable wrapping an iterable (a progress bar) for the hierarchical plan.
+      fp8: what FP8 delivery adds (``jreshard.fleet.fp8.fp8_costs``): the partial-amax exchange,
+        a first stage of the deliveries that quantize at sharded senders (jreshard's and flat
+        direct sends), and the scales, which gather-then-broadcast sends in their weights'
+        collectives (it quantizes whole tensors at the root and needs no exchange).
 
     Example:
       >>> import numpy as np
@@ -116,12 +122,19 @@ def compare(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology
     if hierarchical not in ("auto", "always", "never"):
         raise ValueError(f"hierarchical must be 'auto', 'always' or 'never', got {hierarchical!r}.")
     check_pair(src, dst)
-    direct = predict_plan(jreshard_plan if jreshard_plan is not None else plan(dict(src), dict(dst)), topo)
+    first = predict(fp8.exchange, topo) if fp8 is not None and len(fp8.exchange.msg_out) else None
+
+    def after_exchange(p: Prediction) -> Prediction:
+        return p if first is None else first + p
+
+    direct = after_exchange(predict_plan(jreshard_plan if jreshard_plan is not None else plan(dict(src), dict(dst)),
+                                         topo))
     hier = None
     if hierarchical != "never" and has_domain_replicas(dst, topo):
-        hier = predict_two_stage(hierarchical_plan(src, dst, topo, progress=progress), topo)
+        hier = after_exchange(predict_two_stage(hierarchical_plan(src, dst, topo, progress=progress), topo))
     if hier is not None and (hierarchical == "always" or hier.seconds < direct.seconds):
         chosen, delivery = hier, "hierarchical"
     else:
         chosen, delivery = direct, "direct"
-    return Comparison(chosen, delivery, direct, hier, gather_broadcast(src, dst, topo), flat_direct(src, dst, topo))
+    baseline = gather_broadcast(src, dst, topo, riders=fp8.scales if fp8 else None)
+    return Comparison(chosen, delivery, direct, hier, baseline, after_exchange(flat_direct(src, dst, topo)))

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 from jreshard.fleet.cost import Comparison, compare
+from jreshard.fleet.fp8 import fp8_costs, fp8_layouts
 from jreshard.fleet.presets import infer_layouts, train_layouts
 from jreshard.fleet.scenario import Scenario, load_scenario
 
@@ -44,8 +45,9 @@ class PublishedLayer(NamedTuple):
 class LayerPrediction:
     """The predicted sync of one layer's routed experts, and the published figures if any.
 
-    ``nbytes`` is one copy of the tensors; ``comparison`` holds jreshard (the delivery
-    the cost model chose) and the baselines, each with its network and NVLink bytes.
+    ``nbytes`` is one copy of the tensors as delivered (FP8 weights and their scales under
+    FP8 delivery); ``comparison`` holds jreshard (the delivery the cost model chose) and
+    the baselines, each with its network and NVLink bytes.
     """
 
     scenario: str
@@ -102,10 +104,16 @@ def predict_layer(scenario: Scenario | str | os.PathLike | Mapping, layer: int, 
     kept = [t for t in infos if not t.is_expert or t.layer == layer]
     src = train_layouts(kept, s.train, s.train_devices())
     dst = infer_layouts(kept, s.infer, s.infer_devices())
-    names = tuple(t.name for t in kept if t.is_expert)
-    comparison = compare({n: src[n] for n in names}, {n: dst[n] for n in names}, s.topology(),
-                         hierarchical=hierarchical)
-    return LayerPrediction(s.name, s.model.name, int(layer), names, sum(src[n].nbytes for n in names), comparison,
+    experts = [t for t in kept if t.is_expert]
+    src = {t.name: src[t.name] for t in experts}
+    dst = {t.name: dst[t.name] for t in experts}
+    fp8 = None
+    if s.fp8 is not None:
+        src, dst = fp8_layouts(experts, src, dst, s.fp8)
+        fp8 = fp8_costs(experts, src, s.fp8, s.topology())[0]
+    names = tuple(src)
+    comparison = compare(src, dst, s.topology(), hierarchical=hierarchical, fp8=fp8)
+    return LayerPrediction(s.name, s.model.name, int(layer), names, sum(dst[n].nbytes for n in names), comparison,
                            _published(s))
 
 

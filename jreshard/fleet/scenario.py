@@ -11,6 +11,13 @@ A scenario file has the format of ``jreshard/data/systems/*.json``::
 Optional fields: ``colocated`` (training and inference share device ids; otherwise
 inference devices follow the training ones), ``gpus_per_domain_override``,
 ``published`` (figures quoted publicly, seconds per full sync), ``notes``.
+
+``dtype`` is the dtype delivered to inference. An FP8 dtype (``"float8_e4m3fn"``)
+means FP8 delivery (``jreshard.fleet.fp8``): the trainer keeps the model's dtype,
+the tensors the catalog marks ``quantize`` arrive block-scaled in FP8 with their
+``weight_scale_inv``, the others in the model's dtype. ``fp8_block`` sets the block
+(``[128, 128]`` by default, ``"tensor"``, ``"channel"``); an inference split that
+cuts a block is refused, as vLLM refuses it.
 ``model`` and ``hardware`` name files of the package data, or are paths to a
 Hugging Face-style ``config.json`` / a hardware JSON file.
 
@@ -34,14 +41,16 @@ from collections.abc import Mapping
 from importlib import resources
 from typing import Any
 
+from jreshard.core.fp8 import Fp8Format
 from jreshard.core.layout import Layout, canonical_dtype
 from jreshard.fleet import catalog, cost
+from jreshard.fleet.fp8 import AmaxSummary, Fp8Costs, fp8_costs, fp8_layouts, parse_block
 from jreshard.fleet.presets import InferParallel, TrainParallel, check_degrees, infer_layouts, train_layouts
 
 __all__ = ["Scenario", "load_scenario", "scenario_names", "ScenarioError"]
 
 _TOP = {"model", "train", "infer", "hardware", "dtype", "colocated", "gpus_per_domain_override", "published",
-        "notes", "name"}
+        "notes", "name", "fp8_block"}
 _TRAIN = {f.name for f in dataclasses.fields(TrainParallel)} | {"gpus"}
 _INFER = {f.name for f in dataclasses.fields(InferParallel)} | {"gpus"}
 
@@ -66,7 +75,10 @@ def _field_error(where: str, field: str, exc: Exception) -> ScenarioError:
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class Scenario:
-    """One weight sync: model, both sides' parallelism and devices, hardware."""
+    """One weight sync: model, both sides' parallelism and devices, hardware.
+
+    ``fp8`` is the format of an FP8 delivery (``dtype`` is then its FP8 type), else ``None``.
+    """
 
     name: str
     model: catalog.ModelConfig
@@ -79,6 +91,7 @@ class Scenario:
     colocated: bool = False
     gpus_per_domain: int | None = None
     published: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    fp8: Fp8Format | None = None
 
     def train_devices(self) -> range:
         return range(self.train_gpus)
@@ -91,13 +104,26 @@ class Scenario:
         return cost.Topology.from_hardware(self.hardware, self.gpus_per_domain)
 
     def tensors(self, experts: str = "separate") -> list[catalog.TensorInfo]:
-        return catalog.tensors(self.model, experts=experts, dtype=self.dtype)
+        """The model's tensors in the trainer's dtype (the model's own under FP8 delivery)."""
+        return catalog.tensors(self.model, experts=experts, dtype=None if self.fp8 else self.dtype)
 
     def layouts(self, experts: str = "separate") -> tuple[dict[str, Layout], dict[str, Layout]]:
-        """(training layouts, inference layouts), flat dicts keyed by Hugging Face name."""
+        """(training layouts, inference layouts), flat dicts keyed by Hugging Face name.
+
+        Under FP8 delivery the inference layouts of quantized tensors are FP8 and each has a
+        ``<name>_scale_inv`` leaf on both sides (``jreshard.fleet.fp8.fp8_layouts``).
+        """
         infos = self.tensors(experts)
-        return (train_layouts(infos, self.train, self.train_devices()),
-                infer_layouts(infos, self.infer, self.infer_devices()))
+        src = train_layouts(infos, self.train, self.train_devices())
+        dst = infer_layouts(infos, self.infer, self.infer_devices())
+        return fp8_layouts(infos, src, dst, self.fp8) if self.fp8 else (src, dst)
+
+    def fp8_costs(self, experts: str = "separate") -> tuple[Fp8Costs, AmaxSummary] | None:
+        """What FP8 delivery adds to the cost model, and its summary; ``None`` without FP8."""
+        if self.fp8 is None:
+            return None
+        infos = self.tensors(experts)
+        return fp8_costs(infos, train_layouts(infos, self.train, self.train_devices()), self.fp8, self.topology())
 
 
 def scenario_names() -> tuple[str, ...]:
@@ -138,8 +164,31 @@ def _side(where: str, data: Mapping, field: str, allowed: set, cls: type,
     return par, gpus
 
 
-def load_scenario(spec: str | os.PathLike | Mapping, *, name: str | None = None) -> Scenario:
+def _fp8(where: str, dtype: str | None, block: Any, infos: list[catalog.TensorInfo], infer: InferParallel,
+         devices: range) -> Fp8Format | None:
+    if dtype is None or not dtype.startswith("float8"):
+        if block is not None:
+            raise ScenarioError(f"{where}: field 'fp8_block' needs an FP8 dtype such as 'float8_e4m3fn', "
+                                f"got dtype {dtype!r}.", field="fp8_block", reason="needs an FP8 dtype")
+        return None
+    try:
+        fmt = Fp8Format(block=parse_block((128, 128) if block is None else block), dtype=dtype)
+    except (TypeError, ValueError) as exc:
+        raise _field_error(where, "fp8_block" if block is not None else "dtype", exc) from None
+    try:  # one tensor of each kind: an inference split that cuts a block is the infer field's fault
+        dst = infer_layouts(infos, infer, devices)
+        fp8_layouts(infos, dst, dst, fmt)
+    except ValueError as exc:
+        raise _field_error(where, "infer", exc) from None
+    return fmt
+
+
+def load_scenario(spec: str | os.PathLike | Mapping, *, name: str | None = None, dtype: str | None = None,
+                  fp8_block: Any = None) -> Scenario:
     """Reads a scenario from a built-in name, a JSON path, or a mapping.
+
+    ``dtype`` and ``fp8_block``, when given, replace the scenario's fields of those names
+    (``jreshard plan NAME --dtype float8_e4m3fn``).
 
     Raises:
       ScenarioError (a ValueError): a field is missing, unknown or bad; the message names it.
@@ -189,6 +238,10 @@ def load_scenario(spec: str | os.PathLike | Mapping, *, name: str | None = None)
         hw = cost.load_hardware(data["hardware"])
     except (TypeError, ValueError) as exc:
         raise _field_error(where, "hardware", exc) from None
+    if dtype is not None:
+        data["dtype"] = dtype
+    if fp8_block is not None:
+        data["fp8_block"] = fp8_block
     try:
         dtype = canonical_dtype(data.get("dtype"))
     except TypeError as exc:
@@ -205,5 +258,7 @@ def load_scenario(spec: str | os.PathLike | Mapping, *, name: str | None = None)
     published = data.get("published", {})
     if not isinstance(published, Mapping):
         raise ScenarioError(f"{where}: field 'published' must be an object, got {published!r}.")
+    infer_devices = range(0 if colocated else train_gpus, (0 if colocated else train_gpus) + infer_gpus)
+    fmt = _fp8(where, dtype, data.get("fp8_block"), infos, infer, infer_devices)
     return Scenario(data.get("name") or name or model.name, model, train, infer, train_gpus, infer_gpus, hw, dtype,
-                    colocated, gpd, dict(published))
+                    colocated, gpd, dict(published), fmt)
