@@ -55,13 +55,14 @@ def _special(n: int) -> np.ndarray:
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "int8"])
-def test_casts_of_special_values_arrive_bit_for_bit(transport, dtype):
+@pytest.mark.parametrize("spec", [P("dp", "tp"), P(None, "tp")], ids=["one-copy", "replicas"])
+def test_casts_of_special_values_arrive_bit_for_bit(transport, dtype, spec):
     host = _special(32 * 16).reshape(32, 16)
     if dtype == "int8":  # a NumPy cast from an integer source
         host = np.arange(-256, 256, dtype=np.int16).astype(np.int8).reshape(32, 16)
         dtype = "bfloat16"
     x = jax.device_put(host, NamedSharding(TRAIN, P("fsdp")))
-    target = NamedSharding(SERVE, P("dp", "tp"))
+    target = NamedSharding(SERVE, spec)  # replicas: each element goes to two devices, cast once
     assert_matches_host(xfer(x, target, transport=transport, dtype=dtype), host, target, dtype)
     back = xfer(x.astype(dtype), target, transport=transport, dtype="float32")  # and widening
     assert_matches_host(back, np.asarray(x.astype(dtype)), target, "float32")

@@ -27,7 +27,8 @@ from jreshard.jax_executor.shards import Destinations, SourceShards
 
 __all__ = ["Transport", "BucketRunner"]
 
-Results = dict[tuple[int, int], jax.Array]  # (leaf, device) -> destination shard
+# (leaf, device) -> destination shard: host memory (NumPy packing), placed per leaf by the executor
+Results = dict[tuple[int, int], jax.Array | np.ndarray]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -192,10 +193,7 @@ class BucketRunner:
         host.OUTPUTS.reserve(dests.output_bytes)
         for prog in self.progs:
             self._host_bucket(prog, shards, outs)
-        keys = list(outs)
-        placed = jax.device_put([outs[(i, d)].view(dests.dtypes[i]) for i, d in keys],
-                                [self.transport.devices[d] for _, d in keys])
-        return dict(zip(keys, placed, strict=True))
+        return {(i, d): out.view(dests.dtypes[i]) for (i, d), out in outs.items()}
 
     def _host_bucket(self, prog: BucketProgram, shards: SourceShards, outs: dict[tuple[int, int], np.ndarray]) -> None:
         """One bucket with host packing: fills ``outs`` (as uint), allocating the shards it starts."""

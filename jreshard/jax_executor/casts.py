@@ -59,24 +59,38 @@ def compiled_cast(dtype: np.dtype) -> Callable[[np.ndarray], jax.Array]:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class HostCasts:
-    """How one executor's host copies cast each leaf whose dtype changes."""
+    """How one executor's host copies cast each leaf whose dtype changes.
+
+    A leaf whose elements each go to one destination is cast by the copy that
+    moves it (``by_numpy``). One whose elements go to several (replicas) is cast
+    once per source shard by NumPy (``numpy_first``), then copied as uint:
+    converting costs several times a copy, so casting once per replica would
+    dominate the sync.
+    """
 
     dtypes: tuple[np.dtype, ...]  # output dtypes
     by_numpy: frozenset[int]  # leaves cast by the copies themselves
+    numpy_first: frozenset[int]  # leaves cast by NumPy before copying
     compiled: frozenset[int]  # leaves cast by ``compiled_cast`` before copying
 
     @classmethod
-    def build(cls, src_dtypes: Sequence[np.dtype], dtypes: Sequence[np.dtype]) -> HostCasts:
+    def build(cls, src_dtypes: Sequence[np.dtype], dtypes: Sequence[np.dtype],
+              fan_out: Sequence[bool]) -> HostCasts:
+        """``fan_out[i]``: leaf ``i`` moves more elements than it has (to several destinations)."""
         changed = [(i, (s, d)) for i, (s, d) in enumerate(zip(src_dtypes, dtypes, strict=True)) if s != d]
-        return cls(tuple(dtypes), frozenset(i for i, pair in changed if pair in NUMPY_CASTS),
+        numpy = {i for i, pair in changed if pair in NUMPY_CASTS}
+        return cls(tuple(dtypes), frozenset(i for i in numpy if not fan_out[i]),
+                   frozenset(i for i in numpy if fan_out[i]),
                    frozenset(i for i, pair in changed if pair not in NUMPY_CASTS))
 
     def source(self, leaf: int, shard: jax.Array) -> np.ndarray:
-        """What the copies read of a source shard: a zero-copy view, as uint unless NumPy casts it."""
+        """What the copies read of a source shard: a zero-copy view, as uint unless NumPy casts it on the way."""
         x = np.asarray(shard)
         if leaf in self.by_numpy:  # read in its own dtype: assigning it into ``sink`` casts
             return x
-        if leaf in self.compiled:
+        if leaf in self.numpy_first:
+            x = x.astype(self.dtypes[leaf])
+        elif leaf in self.compiled:
             x = np.asarray(compiled_cast(self.dtypes[leaf])(x))
         return host.as_uint(x)
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Sharding
 
@@ -87,8 +87,7 @@ class MemcpyRunner:
             return out.view(dests.dtypes[c.leaf])
 
         filled = host.parallel_map(fill, self.copies)
-        placed = jax.device_put(filled, [self.devices[c.device] for c in self.copies])
-        return {(c.leaf, c.device): x for c, x in zip(self.copies, placed, strict=True)}
+        return {(c.leaf, c.device): x for c, x in zip(self.copies, filled, strict=True)}
 
 
 class Executor:
@@ -106,7 +105,8 @@ class Executor:
             raise ValueError(f"the plan names devices {missing} that jax does not have; its devices are "
                              f"{sorted(devices)}. Make the plan from the arrays and shardings passed.")
         self._devices = devices
-        self._casts = HostCasts.build(spec.src_dtypes, spec.dtypes)
+        self._casts = HostCasts.build(spec.src_dtypes, spec.dtypes,
+                                      [sum(m.size for m in tp.moves) > math.prod(tp.shape) for tp in spec.tplans])
         self.buckets = [] if spec.transport == "memcpy" else schedule(
             spec.tplans, itemsizes=[dt.itemsize for dt in spec.dtypes], cap=spec.cap,
             skip_leaves=dests.passthrough, skip_shards=dests.reuse)
@@ -137,15 +137,19 @@ class Executor:
     def _assemble(self, leaf: int, shards: SourceShards, results: Results) -> jax.Array:
         dests, shape, dtype = self.dests, self.dests.shapes[leaf], self.dests.dtypes[leaf]
         sharding = dests.shardings[leaf]
-        arrays = []
-        devices: list[Any] = list(sharding.addressable_devices_indices_map(shape))
-        for dev in devices:
+        values: list[jax.Array | np.ndarray] = []
+        indices: Mapping[Any, Any] = sharding.addressable_devices_indices_map(shape)
+        for dev in indices:
             if (leaf, dev.id) in dests.reuse:
-                arrays.append(shards.get(leaf, dev.id))
+                values.append(shards.get(leaf, dev.id))
             elif (leaf, dev.id) in results:
-                arrays.append(results[(leaf, dev.id)])
+                values.append(results[(leaf, dev.id)])
             else:  # an empty shard (a dim of size 0): nothing moves into it
-                arrays.append(jnp.zeros(dests.shape(leaf, dev.id), dtype, device=dev))
+                values.append(host.aligned_empty(dests.shape(leaf, dev.id), dtype))
+        if all(isinstance(v, np.ndarray) for v in values):
+            return host.place(shape, sharding, dtype, indices, values)  # type: ignore[arg-type]
+        arrays = [jax.device_put(v, dev) if isinstance(v, np.ndarray) else v
+                  for v, dev in zip(values, indices, strict=True)]
         return jax.make_array_from_single_device_arrays(shape, sharding, arrays, dtype=dtype)
 
 

@@ -12,6 +12,7 @@ from jax.sharding import Sharding
 from jreshard.core.box import Box
 from jreshard.core.layout import Layout
 from jreshard.core.plans import TensorPlan
+from jreshard.jax_executor import host
 from jreshard.jax_executor.casts import HostCasts
 
 __all__ = ["Destinations", "SourceShards"]
@@ -78,9 +79,10 @@ class SourceShards:
     def host_views(self, needed: Iterable[tuple[int, int]]) -> dict[tuple[int, int], np.ndarray]:
         """Zero-copy NumPy views of the ``needed`` (leaf, device) shards, to be copied into ``casts.sink``.
 
-        Made in the calling thread, so that the copy threads only read them.
+        Returned to the calling thread before any copy starts (casts run on the copy threads).
         """
-        for key in needed:
-            if key not in self._views:
-                self._views[key] = self.casts.source(key[0], self.get(*key))
+        missing = [key for key in dict.fromkeys(needed) if key not in self._views]
+        shards = [(key[0], self.get(*key)) for key in missing]
+        views = host.parallel_map(lambda item: self.casts.source(*item), shards)
+        self._views.update(zip(missing, views, strict=True))
         return self._views
