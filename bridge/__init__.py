@@ -10,8 +10,9 @@ compute the same plan. ``Receiver`` and ``init_group`` import torch on first use
 Modules: ``_source`` (the trainer side over source ids), ``_param_map`` (params
 and regions), ``_dims`` (named dims of a rule), ``_rules`` (rules and the TP/EP
 param map), ``_dtensor`` (DTensor params), ``_reduce`` and
-``_plan`` (the plan), ``_plan_key`` (what a fingerprint covers), ``_wire`` (the
-torch.distributed protocol), ``receiver``, ``sender``; model recipes live in
+``_plan`` (the plan), ``_plan_key`` (what a fingerprint covers), ``_args`` (argument
+checks), ``_wire`` (the torch.distributed protocol), ``_vote`` (per-bucket votes: sizes,
+checksums, failures), ``receiver``, ``sender``; model recipes live in
 ``bridge.recipes``.
 """
 
@@ -49,6 +50,7 @@ __all__ = [
     "llama_rules",
     "qwen3_moe_param_map",
     "qwen3_moe_rules",
+    "rebuild_group",
     "reject_sync",
     "source_id",
     "split_source_id",
@@ -72,6 +74,7 @@ _LAZY: dict[str, str] = {
     "PlanMismatchError": "bridge._wire",
     "init_group": "bridge._wire",
     "reject_sync": "bridge._wire",
+    "rebuild_group": "bridge._wire",
     "dtensor_param_map": "bridge.receiver",
     "dtensor_mapping": "bridge.receiver",
 }

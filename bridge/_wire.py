@@ -8,7 +8,15 @@ Protocol of one sync, every rank of the group taking part:
    ``PlanMismatchError`` on every rank before any data moves. On a fingerprint
    mismatch the ranks also exchange what their fingerprints cover (JSON text,
    ``bridge._plan_key``), so the error says what differs.
-2. Buckets: per bucket every rank posts one ``batch_isend_irecv``: per peer, one
+2. Votes: before each bucket's payload moves, one ``all_gather`` of a fixed-length
+   int64 row per rank (``bridge._vote``): the rank's status (an exception while
+   packing or unpacking, a checksum mismatch found in the previous bucket), the byte
+   count of every segment it is about to send and an xxh3-64 digest of every piece.
+   Every rank reaches the same verdict from the same table; on a failure or a byte
+   count that differs from the plan every rank raises ``SyncError`` naming the rank,
+   the bucket and the tensor, before any payload of the bucket is posted, so a
+   wrong-size message never reaches gloo and the group stays usable.
+3. Buckets: per bucket every rank posts one ``batch_isend_irecv``: per peer, one
    operation per segment of the message (``BridgePlan.segments``). Each piece starts
    at a 64-byte-aligned offset of the message and is laid out C-contiguous in the
    param's dim order (the sender casts and transposes, the receiver only copies
@@ -16,22 +24,25 @@ Protocol of one sync, every rank of the group taking part:
    there; a piece contiguous in the receiver's param is received straight into
    it; the other pieces travel packed, runs of them as one operation. Bucket buffers
    come from two arenas per side, so the sender packs bucket b+1 while bucket b is on
-   the wire and the receiver unpacks bucket b while bucket b+1 arrives.
-3. Ack: one ``all_reduce(MIN)`` of an ok flag; receivers commit only when every
-   rank got everything. Every wait is bounded by ``timeout``.
+   the wire and the receiver unpacks bucket b while bucket b+1 arrives. Receivers check
+   every piece's digest before unpacking it and report a mismatch in the next vote.
+4. Final ack: the vote after the last bucket; receivers commit only when every rank
+   reported success.
 
 The handshake waits up to ``ready_timeout`` for every rank to join (a trainer may
 still be computing its step); gloo also bounds it by the process group's timeout.
-A peer that dies while others wait breaks its connections, which fails the wait
-at once.
+After it, one deadline (``timeout`` seconds) bounds the whole sync: every bucket and
+the final ack. A peer that dies while others wait breaks its connections, which fails
+the wait at once on every survivor.
 
-After a ``SyncError`` the process group is unusable (gloo closes the pairs of a
-timed-out operation): destroy it and create a new one before the next sync.
+After a ``SyncError`` raised by a vote (a rank's exception, corrupt or wrong-size data)
+nothing is in flight and the group can run the next sync. After a timeout or a dead
+peer the group is unusable (gloo closes the pairs of a failed operation):
+``rebuild_group`` destroys it and creates a new one.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
 import os
@@ -44,11 +55,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from bridge import _vote
+from bridge._args import check_int, check_seconds
 from bridge._plan import WIRE_DTYPES, BridgePlan, Message
 from bridge._plan_key import decode, describe_difference, encode, plan_key
+from bridge._vote import Code, Status
 
-__all__ = ["SyncError", "PlanMismatchError", "init_group", "run_sync", "reject_sync", "check_plan_and_rank",
-           "new_arena", "torch_dtype", "TORCH_DTYPES"]
+__all__ = ["SyncError", "PlanMismatchError", "init_group", "rebuild_group", "run_sync", "reject_sync",
+           "check_plan_and_rank", "new_arena", "torch_dtype", "TORCH_DTYPES"]
 
 log = logging.getLogger("bridge")
 
@@ -67,11 +81,14 @@ class _Op(NamedTuple):
 
 
 class _Bucket(NamedTuple):
-    """A bucket ready to post: its operations, and the messages it receives with their buffers."""
+    """A bucket ready to post: its operations, the messages it sends (with the tensors of each) and
+    those it receives (with their staging buffers and the tensors each segment lands in)."""
 
     ops: list[_Op]
     recvs: list[Message]
     rbufs: list[torch.Tensor]
+    sends: list[tuple[Message, list[torch.Tensor]]]
+    rtensors: list[list[torch.Tensor]]
 
 
 class SyncError(RuntimeError):
@@ -96,9 +113,14 @@ def init_group(rank: int, world_size: int, *, port: int, host: str = "127.0.0.1"
     Rank 0 hosts the rendezvous store. ``timeout`` (seconds) bounds every collective.
     Returns ``torch.distributed.group.WORLD``.
     """
-    for arg, v in (("rank", rank), ("world_size", world_size), ("port", port)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"{arg} must be a non-negative int, got {v!r}.")
+    rank = check_int("rank", rank)
+    world_size = check_int("world_size", world_size, minimum=1)
+    port = check_int("port", port, minimum=1, maximum=65535)
+    timeout = check_seconds("timeout", timeout)
+    if not isinstance(host, str) or not host:
+        raise TypeError(f"host must be a non-empty str (a host name or address), got {host!r}.")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}.")
     if not rank < world_size:
         raise ValueError(f"rank {rank} must be below world_size {world_size}.")
     dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size,
@@ -107,6 +129,15 @@ def init_group(rank: int, world_size: int, *, port: int, host: str = "127.0.0.1"
     if world is None:
         raise SyncError("torch.distributed.init_process_group returned without a default group.")
     return world
+
+
+def rebuild_group(rank: int, world_size: int, *, port: int, host: str = "127.0.0.1", backend: str = "gloo",
+                  timeout: float = 60.0) -> dist.ProcessGroup:
+    """Destroys the default process group (if any) and creates a new one: what a sync needs after a timeout
+    or a dead peer. Every rank calls it with a fresh ``port`` (a replacement process for a dead one too)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return init_group(rank, world_size, port=port, host=host, backend=backend, timeout=timeout)
 
 
 def new_arena() -> list:
@@ -122,9 +153,7 @@ def check_plan_and_rank(plan: BridgePlan, rank: int | None) -> int:
         if not dist.is_initialized():
             raise ValueError("rank is None and torch.distributed is not initialised; pass rank=.")
         return dist.get_rank()
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-        raise ValueError(f"rank must be a non-negative int, got {rank!r}.")
-    return rank
+    return check_int("rank", rank)
 
 
 def _group_ranks(group: dist.ProcessGroup | None) -> list[int]:
@@ -139,18 +168,22 @@ def _header(role: int, status: int, version: int, fingerprint: bytes) -> torch.T
     return torch.tensor([MAGIC, role, status, version, *fp.tolist()], dtype=torch.int64)
 
 
-def _wait(work, timeout: float, what: str, rank: int) -> None:
+def _wait(work, deadline: float, what: str, rank: int) -> None:
+    """Waits for ``work`` until ``deadline`` (``time.monotonic()`` seconds), the sync's one deadline."""
+    left = max(deadline - time.monotonic(), 0.001)
     try:
-        work.wait(datetime.timedelta(seconds=timeout))
+        work.wait(datetime.timedelta(seconds=left))
     except Exception as e:  # gloo reports a dead peer, a closed pair or a timeout as RuntimeError
-        raise SyncError(f"rank {rank}: {what} failed within the {timeout:g} s timeout: {e}") from e
+        raise SyncError(f"rank {rank}: {what} failed before the sync's deadline ({left:.3g} s were left; "
+                        f"timeout): {e}. The process group is no longer usable: "
+                        "call bridge.rebuild_group(...) on every rank, then retry.") from e
 
 
 def _handshake(plan: BridgePlan, rank: int, ranks: list[int], group, role: int, status: int, version: int,
-               timeout: float) -> int:
+               deadline: float) -> int:
     mine = _header(role, status, version, plan.fingerprint)
     out = [torch.empty_like(mine) for _ in ranks]
-    _wait(dist.all_gather(out, mine, group=group, async_op=True), timeout, "the handshake", rank)
+    _wait(dist.all_gather(out, mine, group=group, async_op=True), deadline, "the handshake", rank)
     rows = {r: t.tolist() for r, t in zip(ranks, out, strict=True)}
     bad = [r for r, h in rows.items() if h[0] != MAGIC]
     if bad:
@@ -163,7 +196,7 @@ def _handshake(plan: BridgePlan, rank: int, ranks: list[int], group, role: int, 
         prints.setdefault(np.array(h[4:], dtype=np.int64).tobytes(), []).append(r)
     if len(prints) > 1:
         groups = "; ".join(f"ranks {rs}: {fp.hex()[:16]}" for fp, rs in prints.items())
-        keys = _exchange_keys(plan, rank, ranks, group, timeout)
+        keys = _exchange_keys(plan, rank, ranks, group, deadline)
         firsts = [rs[0] for rs in prints.values()]
         differences = "; ".join(
             f"ranks {_ranks_like(prints, r)} against ranks {_ranks_like(prints, firsts[0])}: "
@@ -190,24 +223,18 @@ def _ranks_like(prints: dict[bytes, list[int]], r: int) -> list[int]:
     return next(rs for rs in prints.values() if r in rs)
 
 
-def _exchange_keys(plan: BridgePlan, rank: int, ranks: list[int], group, timeout: float) -> dict[int, dict]:
+def _exchange_keys(plan: BridgePlan, rank: int, ranks: list[int], group, deadline: float) -> dict[int, dict]:
     """Every rank's ``plan_key``; every rank calls it, since all see the same mismatch in the handshake."""
     mine = torch.frombuffer(bytearray(encode(plan_key(plan))), dtype=torch.uint8)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in ranks]
     _wait(dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64), group=group, async_op=True),
-          timeout, "the plan comparison", rank)
+          deadline, "the plan comparison", rank)
     longest = max(int(n.item()) for n in sizes)
     padded = torch.zeros(longest, dtype=torch.uint8)
     padded[:mine.numel()] = mine
     out = [torch.empty(longest, dtype=torch.uint8) for _ in ranks]
-    _wait(dist.all_gather(out, padded, group=group, async_op=True), timeout, "the plan comparison", rank)
+    _wait(dist.all_gather(out, padded, group=group, async_op=True), deadline, "the plan comparison", rank)
     return {r: decode(t[:int(n.item())].numpy().tobytes()) for r, t, n in zip(ranks, out, sizes, strict=True)}
-
-
-def _ack(ok: bool, rank: int, group, timeout: float) -> bool:
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
-    _wait(dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group, async_op=True), timeout, "the final ack", rank)
-    return bool(flag.item())
 
 
 def _progress(enabled: bool | None, total: int, rank: int):
@@ -224,7 +251,7 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
              ready_timeout: float, pack: Callable[[Message, torch.Tensor], list[torch.Tensor]],
              recv: Callable[[Message, torch.Tensor], list[torch.Tensor]],
              unpack: Callable[[Message, torch.Tensor], None], progress: bool | None = None,
-             device: torch.device | str = "cpu", arena: list | None = None) -> int:
+             device: torch.device | str = "cpu", arena: list | None = None, checksum: bool = True) -> int:
     """Runs the protocol for one rank; returns the agreed version. Raises SyncError on any failure.
 
     Per message, ``pack(m, buf)`` returns the tensors to send, one per segment of
@@ -232,6 +259,8 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
     to receive into, one per segment, and ``unpack(m, buf)`` runs once they arrived.
     Staging buffers live on ``device`` (the parameters' device: CUDA with NCCL, CPU with gloo);
     pass the same ``arena`` (``[[None, None], [None, None]]``) to every sync to reuse them.
+    ``timeout`` bounds everything after the handshake (every bucket and the final ack) as one
+    deadline; ``checksum`` makes this rank announce a digest of every piece it sends.
     """
     ranks = _group_ranks(group)
     if rank not in ranks:
@@ -243,7 +272,8 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
             "group of exactly the trainer and inference ranks (torch.distributed.new_group)."
         )
     start = time.perf_counter()
-    version = _handshake(plan, rank, ranks, group, role, status, version, ready_timeout)
+    version = _handshake(plan, rank, ranks, group, role, status, version, time.monotonic() + ready_timeout)
+    deadline = time.monotonic() + timeout
     if arena is None:
         arena = new_arena()  # [send|recv][parity] uint8 buffers of up to bucket_bytes
 
@@ -261,12 +291,18 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
     def prepare(b: int) -> _Bucket:
         sends, recvs = plan.sends(rank, b), plan.recvs(rank, b)
         ops: list[_Op] = []
+        packed = []
         for m, buf in zip(sends, buffers(0, b, sends), strict=True):
-            ops += [_Op(dist.isend, m.dst, x) for x in pack(m, buf)]
+            xs = pack(m, buf)
+            packed.append((m, xs))
+            ops += [_Op(dist.isend, m.dst, x) for x in xs]
         rbufs = buffers(1, b, recvs)
+        rtensors = []
         for m, buf in zip(recvs, rbufs, strict=True):
-            ops += [_Op(dist.irecv, m.src, x) for x in recv(m, buf)]
-        return _Bucket(ops, recvs, rbufs)
+            xs = recv(m, buf)
+            rtensors.append(xs)
+            ops += [_Op(dist.irecv, m.src, x) for x in xs]
+        return _Bucket(ops, recvs, rbufs, packed, rtensors)
 
     def post(state: _Bucket, b: int) -> list:
         ops = [dist.P2POp(op.fn, op.buf, op.peer, group) for op in state.ops]
@@ -275,34 +311,77 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
         except RuntimeError as e:  # gloo fails at once when a peer's connection is already closed
             raise SyncError(f"rank {rank}: posting bucket {b + 1}/{plan.num_buckets} failed: {e}") from e
 
-    bar = _progress(progress, sum(m.nbytes for m in plan.messages if rank in (m.src, m.dst)), rank)
-    ok = False
-    try:
-        nb = plan.num_buckets
-        nxt = prepare(0) if nb else None
-        works = post(nxt, 0) if nxt is not None else []
-        for b in range(nb):
-            # The next bucket is packed and posted while this one's data is unpacked.
-            state, nxt = nxt, (prepare(b + 1) if b + 1 < nb else None)
-            if state is None:
-                break
-            for w, op in zip(works, state.ops, strict=True):
-                _wait(w, timeout, f"bucket {b + 1}/{nb} with peer rank {op.peer}", rank)
-            works = post(nxt, b + 1) if nxt is not None else []
+    def vote(b: int, state: _Bucket | None, mine: Status) -> dict[tuple[int, int], int]:
+        length = _vote.row_length(plan, b, ranks)
+        row = _vote.make_row(plan, b, length, mine, state.sends if state is not None else [], checksum)
+        table = [torch.empty_like(row) for _ in ranks]
+        what = f"the vote on bucket {b + 1}/{nb}" if b < nb else "the final ack"
+        _wait(dist.all_gather(table, row, group=group, async_op=True), deadline, what, rank)
+        if b == nb and time.monotonic() > deadline - min(0.5, 0.05 * timeout):
+            # The others give up at the deadline: committing now could leave receivers on different versions.
+            raise SyncError(f"rank {rank}: the final ack completed at the sync's deadline, when other ranks may "
+                            "already have given up; nothing was committed. The process group is no longer "
+                            "usable: call bridge.rebuild_group(...) on every rank, then retry.")
+        failure = _vote.verdict(plan, b, ranks, table)
+        if failure is not None:
+            raise SyncError(_vote.describe(plan, rank, failure))
+        return _vote.expected_digests(plan, b, rank, ranks, table) if b < nb else {}
+
+    def check(state: _Bucket, b: int, expected: dict[tuple[int, int], int]) -> Status:
+        for m, xs in zip(state.recvs, state.rtensors, strict=True):
+            got = _vote.digests(plan, m, xs) if any(expected.get((m.src, i)) for i, _ in m.pieces) else []
+            for (i, _), d in zip(m.pieces, got, strict=False):
+                want = expected.get((m.src, i), _vote.UNCHECKED)
+                if want != _vote.UNCHECKED and d != _vote.UNCHECKED and d != want:
+                    return Status(Code.CHECKSUM, b, m.src, i, "checksum mismatch")
+        return Status()
+
+    def failed(b: int, e: Exception) -> Status:
+        log.exception("rank %d failed in bucket %d", rank, b + 1)
+        return Status(Code.ERROR, b, -1, -1, f"{type(e).__name__}: {e}")
+
+    def unpack_all(state: _Bucket | None, b: int, mine: Status) -> Status:
+        if state is None or mine.code != Code.OK:
+            return mine
+        try:
             for m, buf in zip(state.recvs, state.rbufs, strict=True):
                 unpack(m, buf)
-            if bar is not None:
-                bar.update(sum(op.buf.numel() * op.buf.element_size() for op in state.ops))
-        ok = True
+        except Exception as e:  # announced in the next vote
+            return failed(b, e)
+        if bar is not None:
+            bar.update(sum(op.buf.numel() * op.buf.element_size() for op in state.ops))
+        return mine
+
+    nb = plan.num_buckets
+    bar = _progress(progress, sum(m.nbytes for m in plan.messages if rank in (m.src, m.dst)), rank)
+    mine: Status = Status()
+    cur: _Bucket | None = None
+    works: list = []
+    expected: dict[tuple[int, int], int] = {}
+    try:
+        # Bucket b+1 is packed while bucket b is on the wire, and bucket b is unpacked while
+        # bucket b+1 is. Each bucket's payload is posted only after every rank voted for it.
+        for b in range(nb + 1):
+            nxt = None
+            if b < nb and mine.code == Code.OK:
+                try:
+                    nxt = prepare(b)
+                except Exception as e:  # announced in this bucket's vote
+                    mine = failed(b, e)
+            for w, op in zip(works, cur.ops if cur is not None else list[_Op](), strict=True):
+                _wait(w, deadline, f"bucket {b}/{nb} with peer rank {op.peer}", rank)
+            if cur is not None and mine.code == Code.OK:
+                mine = check(cur, b - 1, expected)
+            if b == nb:  # the last bucket is unpacked before the final ack, so a failure there is announced
+                mine = unpack_all(cur, b - 1, mine)
+            new_expected = vote(b, nxt, mine)
+            works = post(nxt, b) if nxt is not None else []
+            if b < nb:
+                mine = unpack_all(cur, b - 1, mine)
+            cur, expected = nxt, new_expected
     finally:
         if bar is not None:
             bar.close()
-        if not ok:
-            # Tell the others quickly (best effort: the group may already be broken).
-            with contextlib.suppress(SyncError):
-                _ack(False, rank, group, min(timeout, 5.0))
-    if not _ack(True, rank, group, timeout):
-        raise SyncError(f"rank {rank}: another rank failed during the sync; nothing was committed.")
     elapsed = time.perf_counter() - start
     nbytes = sum(m.nbytes for m in plan.messages if rank in (m.src, m.dst))
     log.info("rank %d synced version %d: %s bytes in %d buckets, %.3f s (%.2f GB/s, pid %d)",
@@ -324,6 +403,7 @@ def reject_sync(plan: BridgePlan, *, rank: int | None = None, group: dist.Proces
     sent or received; returns once the handshake is done (or failed).
     """
     rank = check_plan_and_rank(plan, rank)
+    ready_timeout = check_seconds("ready_timeout", ready_timeout)
     role = SENDER if rank in plan.source.ranks else RECEIVER
     try:
         run_sync(plan, rank, group, role=role, version=0 if role == SENDER else -1, status=1, timeout=ready_timeout,

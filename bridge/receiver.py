@@ -21,11 +21,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from bridge._args import check_flag, check_seconds
 from bridge._dtensor import dtensor_params
 from bridge._param_map import Param, ParamMap
 from bridge._plan import BridgePlan, Message
 from bridge._source import Source
-from bridge._wire import RECEIVER, SyncError, check_plan_and_rank, new_arena, run_sync, torch_dtype
+from bridge._wire import RECEIVER, SyncError, check_plan_and_rank, new_arena, reject_sync, run_sync, torch_dtype
 
 __all__ = ["Receiver", "dtensor_param_map", "dtensor_mapping"]
 
@@ -44,6 +45,38 @@ def _owner(t: Any) -> torch.Tensor:
 def _local(t: Any) -> torch.Tensor:
     """The tensor to write: a DTensor's local shard, a Parameter's data, or the tensor itself."""
     return _owner(t).data
+
+
+def _checked_local(name: str, value: Any) -> torch.Tensor:
+    """``_local(value)``, with an error naming ``params[name]`` when it is not a tensor."""
+    try:
+        return _local(value)
+    except TypeError as e:
+        raise TypeError(f"params[{name!r}]: {e}") from None
+
+
+def _check_placement(tensors: Mapping[str, torch.Tensor]) -> None:
+    """Refuses params on the meta device, on several devices, or overlapping in storage (tied ones pass)."""
+    devices: dict[torch.device, str] = {}
+    spans = []
+    for name, t in tensors.items():
+        if t.device.type == "meta":
+            raise ValueError(f"params[{name!r}] is on the meta device (no storage to receive into); "
+                             "materialise the model first (module.to_empty(device=...)).")
+        devices.setdefault(t.device, name)
+        start = t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
+        spans.append((t.device, start, start + t.numel() * t.element_size(), name))
+    if len(devices) > 1:
+        (d1, n1), (d2, n2) = list(devices.items())[:2]
+        raise ValueError(f"params are on several devices: params[{n1!r}] on {d1}, params[{n2!r}] on {d2}; "
+                         "move every param of this rank to one device.")
+    # Tied params (one tensor under two names, e.g. embed_tokens and lm_head) receive the same data:
+    # only a partial overlap is refused.
+    spans = sorted(set(spans), key=lambda s: (str(s[0]), s[1], s[2]))
+    for (d1, s1, end, n1), (d2, start, e2, n2) in zip(spans, spans[1:], strict=False):
+        if d1 == d2 and start < end and (s1, end) != (start, e2):
+            raise ValueError(f"params[{n1!r}] and params[{n2!r}] share storage; a sync would write both "
+                             "into the same memory. Pass tensors that own separate storage (clone one).")
 
 
 def dtensor_param_map(source: Source, params: Mapping[str, tuple[Any, str, Any]]) -> ParamMap:
@@ -112,7 +145,8 @@ class Receiver:
         valid. ``True``: no copy; the same tensor, Parameter and DTensor objects are given the
         shadow's storage and the old storage becomes the next shadow, so views taken before
         the sync (``to_local()`` results, slices, captured pointers) keep the old weights.
-      timeout: seconds any single wait for data may take before the sync fails.
+      timeout: seconds a sync may take once every rank joined (one deadline for every bucket
+        and the final ack).
       ready_timeout: seconds to wait for every rank to join a sync (the handshake; also bounded
         by the process group's timeout).
       progress: show a tqdm bar (``None``: for syncs over 1 GiB on a terminal).
@@ -125,6 +159,11 @@ class Receiver:
                  atomic: bool = True, swap: bool = False, timeout: float = 60.0, ready_timeout: float = 600.0,
                  progress: bool | None = None) -> None:
         rank = check_plan_and_rank(plan, rank)
+        if not isinstance(params, Mapping):
+            raise TypeError(f"params must be a mapping of param name to tensor, got {type(params).__name__}.")
+        atomic, swap = check_flag("atomic", atomic), check_flag("swap", swap)
+        progress = check_flag("progress", progress, none=True)
+        timeout, ready_timeout = check_seconds("timeout", timeout), check_seconds("ready_timeout", ready_timeout)
         mine = plan.param_map.for_rank(rank)
         if not mine:
             raise ValueError(f"rank {rank} has no params in the plan (its ranks are {plan.param_map.ranks}).")
@@ -135,7 +174,7 @@ class Receiver:
                     f"params lacks {p.name!r}, which the param map assigns to rank {rank}; pass every "
                     f"param of this rank (it expects {len(mine)}, e.g. {[x.name for x in mine[:3]]})."
                 )
-            local = _local(params[p.name])
+            local = _checked_local(p.name, params[p.name])
             want = torch_dtype(p.dtype)
             if tuple(local.shape) != p.shape or local.dtype != want:
                 raise ValueError(
@@ -147,6 +186,7 @@ class Receiver:
                 raise ValueError(f"params[{p.name!r}] must be contiguous.")
             tensors[p.name] = local
             owners[p.name] = _owner(params[p.name])
+        _check_placement(tensors)
         self.plan, self.rank, self.atomic, self.progress = plan, rank, atomic, progress
         self.timeout, self.ready_timeout = timeout, ready_timeout
         self.params = tensors
@@ -193,6 +233,17 @@ class Receiver:
         for u in self._steps[(m.bucket, m.src)].unpacks:
             into[u.param].view(u.view)[u.box].copy_(buf[u.offset:u.offset + u.nbytes].view(u.dtype).view(u.shape))
 
+    def _staging(self) -> dict[str, torch.Tensor]:
+        """Where this sync writes: the shadow (atomic; uncovered parts taken from the params) or the params."""
+        if not self.atomic:
+            return self.params
+        if self._shadow is None:
+            self._shadow = {k: torch.empty_like(v) for k, v in self.params.items()}
+        for name, boxes in self._uncovered.items():
+            for view, box in boxes:
+                self._shadow[name].view(view)[box].copy_(self.params[name].view(view)[box])
+        return self._shadow
+
     def sync(self, group: dist.ProcessGroup | None = None) -> int:
         """Receives one sync; returns its version (the trainers' step).
 
@@ -201,16 +252,13 @@ class Receiver:
           SyncError: a peer died, stalled past ``timeout`` or failed; with ``atomic=True``
             the weights and ``version`` are unchanged. Recreate the process group, then retry.
         """
-        if self.atomic:
-            if self._shadow is None:
-                self._shadow = {k: torch.empty_like(v) for k, v in self.params.items()}
-            shadow = self._shadow
-            for name, boxes in self._uncovered.items():
-                for view, box in boxes:
-                    shadow[name].view(view)[box].copy_(self.params[name].view(view)[box])
-            into = shadow
-        else:
-            into = self.params
+        try:
+            into = self._staging()
+        except Exception:  # e.g. out of memory for the shadow: every other rank learns at once
+            reject_sync(self.plan, rank=self.rank, group=group, ready_timeout=self.ready_timeout)
+            raise
+        shadow = into
+        if not self.atomic:
             self.consistent = False
         version = run_sync(self.plan, self.rank, group, role=RECEIVER, version=-1, status=0, timeout=self.timeout,
                            ready_timeout=self.ready_timeout, pack=_no_pack,

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from bridge._args import check_flag, check_int, check_seconds
 from bridge._plan import BridgePlan, Message
 from bridge._source import Source, source_id
 from bridge._wire import SENDER, SyncError, check_plan_and_rank, new_arena, reject_sync, run_sync, torch_dtype
@@ -129,19 +130,25 @@ class Sender:
     Args:
       plan: the sync plan (the same on every rank).
       rank: this process's global torch rank (default: ``torch.distributed.get_rank()``).
-      timeout: seconds any single wait for data may take before the sync fails.
+      timeout: seconds a sync may take once every rank joined (one deadline for every bucket
+        and the final ack).
       ready_timeout: seconds to wait for every rank to join a sync (the handshake; also bounded
         by the process group's timeout).
       progress: show a tqdm bar (``None``: for syncs over 1 GiB on a terminal).
+      checksum: announce an xxh3-64 digest of every piece sent, which receivers check before
+        committing (host memory only; see docs/reliability.md for its cost).
     """
 
     def __init__(self, plan: BridgePlan, *, rank: int | None = None, timeout: float = 60.0,
-                 ready_timeout: float = 600.0, progress: bool | None = None) -> None:
+                 ready_timeout: float = 600.0, progress: bool | None = None, checksum: bool = True) -> None:
         rank = check_plan_and_rank(plan, rank)
         if rank not in plan.source.ranks:
             raise ValueError(f"rank {rank} holds no trainer shards in the plan (trainer ranks {plan.source.ranks}).")
-        self.plan, self.rank, self.progress = plan, rank, progress
-        self.timeout, self.ready_timeout = timeout, ready_timeout
+        self.progress = check_flag("progress", progress, none=True)
+        self.checksum = check_flag("checksum", checksum)
+        self.plan, self.rank = plan, rank
+        self.timeout = check_seconds("timeout", timeout)
+        self.ready_timeout = check_seconds("ready_timeout", ready_timeout)
         # Pieces travel in torch dim order. A piece that is contiguous in its shard once cast and
         # transposed is sent from there without packing: XLA casts and transposes the shard once
         # (much faster than a strided copy on the CPU). Other pieces are block copies (+ cast) into
@@ -252,13 +259,13 @@ class Sender:
           PlanMismatchError: the ranks' plans differ (nothing moved).
           SyncError: a peer died, stalled past ``timeout`` or failed; recreate the group, then retry.
         """
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ValueError(f"version must be a non-negative int (the training step), got {version!r}.")
-        error = None
+        error: Exception | None = None
+        shards: dict = {}
         try:
+            version = check_int("version", version)
             shards = self._shards(params)
-        except (ValueError, TypeError) as e:
-            error, shards = e, {}
+        except Exception as e:  # announced to every rank before raising here
+            error = e
         if error is not None:
             # Join the handshake so every rank learns this one rejected the sync, then raise the cause.
             reject_sync(self.plan, rank=self.rank, group=group, ready_timeout=self.ready_timeout)
@@ -267,7 +274,7 @@ class Sender:
         return run_sync(self.plan, self.rank, group, role=SENDER, version=version, status=0, timeout=self.timeout,
                         ready_timeout=self.ready_timeout, pack=lambda m, buf: self._pack(shards, cache, m, buf),
                         recv=_no_unpack, unpack=_no_unpack, progress=self.progress, device=_torch_device(shards),
-                        arena=self._arena)
+                        arena=self._arena, checksum=self.checksum)
 
 
 def _torch_device(shards: dict) -> torch.device:
