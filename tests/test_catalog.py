@@ -123,3 +123,29 @@ def test_attention_heads():
 def test_docstring_examples():
     result = doctest.testmod(catalog)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_fp8_marks_the_linear_layers_as_deepseek_v3_checkpoints_do():
+    infos = {t.name: t for t in catalog.tensors("deepseek-v3")}
+    kept = {n for n, t in infos.items() if not t.quantize}
+    quantized = {n for n, t in infos.items() if t.quantize}
+    for name in ("model.layers.3.self_attn.q_a_proj.weight", "model.layers.3.self_attn.q_b_proj.weight",
+                 "model.layers.3.self_attn.kv_a_proj_with_mqa.weight", "model.layers.3.self_attn.kv_b_proj.weight",
+                 "model.layers.3.self_attn.o_proj.weight", "model.layers.0.mlp.gate_proj.weight",
+                 "model.layers.3.mlp.experts.7.down_proj.weight", "model.layers.3.mlp.shared_experts.up_proj.weight",
+                 "model.layers.61.mlp.experts.0.gate_proj.weight"):
+        assert name in quantized, name
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
+                 "model.layers.3.input_layernorm.weight", "model.layers.3.self_attn.q_a_layernorm.weight",
+                 "model.layers.3.self_attn.kv_a_layernorm.weight", "model.layers.3.mlp.gate.weight",
+                 "model.layers.3.mlp.gate.e_score_correction_bias", "model.layers.61.eh_proj.weight",
+                 "model.layers.61.embed_tokens.weight", "model.layers.61.shared_head.head.weight",
+                 "model.layers.61.enorm.weight"):
+        assert name in kept, name
+    # Every tensor kept in bfloat16 is a vector, an embedding, a head, a router or eh_proj.
+    assert all(len(infos[n].shape) == 1 or infos[n].role in ("embed", "head") or n.endswith(("gate.weight",
+               "eh_proj.weight")) for n in kept)
+    assert len(quantized) == 45808 and len(kept) == 375
+    stacked = catalog.tensors("qwen3-235b-a22b", experts="stacked")
+    assert all(t.quantize for t in stacked if t.stacked)
+    assert not any(t.quantize for t in stacked if t.name.endswith(("q_norm.weight", "mlp.gate.weight")))

@@ -237,3 +237,58 @@ def test_layer_without_experts_is_refused(capsys):
     rc, out, err = run(capsys, "dsv3-ep16pp8-to-tp8dp16", "--layer", "0")
     assert rc == 2 and out == ""
     assert "layer 0 of deepseek-v3 holds no routed experts; layers 3 to 61 do" in err
+
+
+FP8 = ["--model", "llama-tiny", "--train", "fsdp=4", "--infer", "tp=2,dp=2", "--hardware", "dgx-h100",
+       "--dtype", "float8_e4m3fn", "--fp8-block", "8"]
+
+
+def test_fp8_delivery_json(capsys):
+    rc, out, err = run(capsys, *FP8, "--json")
+    assert rc == 0, err
+    r = json.loads(out)
+    f8 = r["fp8"]
+    assert (f8["dtype"], f8["block"], f8["scaling"], f8["kept_dtype"]) == ("float8_e4m3fn", [8, 8], "reciprocal",
+                                                                           "float32")
+    assert (f8["quantized"], f8["kept"], r["tensors"]) == (28, 11, 39)
+    # llama-tiny: 4 layers of q, k, v, o (256x256, 128x256, 128x256, 256x256) and gate, up, down (688x256 / 256x688)
+    elems = 4 * (2 * 256 * 256 + 2 * 128 * 256 + 3 * 688 * 256)
+    scales = 4 * (2 * 32 * 32 + 2 * 16 * 32 + 2 * 86 * 32 + 32 * 86)
+    assert f8["fp8_bytes"] == elems and f8["scale_bytes"] == 4 * scales
+    # FSDP4 cuts the 688 rows of gate and up at 172 and 516: 2 x 32 blocks each, 8 tensors, both ways.
+    assert (f8["cut_blocks"], f8["nbytes"], f8["messages"]) == (512, 512 * 2 * 4, 4)
+    # Each engine (dp=2) receives every tensor once (FP8 weights, their scales, the rest in float32),
+    # and its second TP rank the 9 norms again.
+    norms = 9 * 256 * 4
+    assert r["bytes_moved"] == r["lower_bound_bytes"] == 2 * (elems + 4 * scales + f8["kept_bytes"] + norms)
+    stages = r["predictions"]["jreshard_direct"]["stage_seconds"]
+    assert len(stages) == 2 and stages[0] > 0  # the amax exchange, then the sends
+
+
+def test_fp8_delivery_table_and_scenario_override(capsys):
+    rc, out, err = run(capsys, *FP8)
+    assert rc == 0, err
+    lines = {re.split(r"\s{2,}", line.strip())[0]: line for line in out.splitlines()}
+    assert "28 tensors in float8_e4m3fn" in lines["FP8 delivery"] and "11 kept in float32" in lines["FP8 delivery"]
+    assert "512 blocks cut by training shards: 4,096 bytes in 4 messages" in lines["amax exchange"]
+    rc, out, err = run(capsys, "qwen3-32b-fsdp8-to-tp4dp2", "--json")
+    bf16 = json.loads(out)
+    rc, out, err = run(capsys, "qwen3-32b-fsdp8-to-tp4dp2", "--dtype", "float8_e4m3fn", "--json")
+    assert rc == 0, err
+    fp8 = json.loads(out)
+    assert fp8["tensors"] == bf16["tensors"] == 707 and fp8["fp8"]["block"] == [128, 128]
+    assert 0.5 < fp8["bytes_moved"] / bf16["bytes_moved"] < 0.55  # norms and embeddings stay in bfloat16
+
+
+@pytest.mark.parametrize("argv, match", [
+    (FP8[:-2] + ["--fp8-block", "3x"], r"--fp8-block '3x': fp8_block must be two positive block sizes"),
+    (FP8[:-4] + ["--fp8-block", "8"], r"--fp8-block '8': needs an FP8 dtype"),
+    (FP8[:-2], r"--infer 'tp=2,dp=2': FP8 delivery of model.layers.0.self_attn.k_proj.weight \(float8_e4m3fn with "
+               r"128x128 blocks\): layout splits dim 0 \(size 128\) into shards of 64"),
+    (["qwen3-32b-fsdp8-to-tp4dp2", "--dtype", "float8_e4m3fn", "--fp8-block", "96"],
+     r"field 'infer': FP8 delivery of model.layers.0.self_attn.q_proj.weight \(float8_e4m3fn with 96x96 blocks\): "
+     r"layout splits dim 0 \(size 8192\) into shards of 2048"),
+])
+def test_fp8_errors_name_the_flag(capsys, argv, match):
+    rc, out, err = run(capsys, *argv)
+    assert rc == 2 and not out and re.search(match, err), err

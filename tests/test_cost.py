@@ -207,3 +207,85 @@ def test_predict_layer_errors():
              "hardware": "dgx-h100"}
     with pytest.raises(ValueError, match="layer 1 of llama-tiny holds no routed experts; the model has none"):
         layer.predict_layer(dense, 1)
+
+
+# --- FP8 delivery -------------------------------------------------------------------------------------
+
+def _fp8_pair():
+    from jreshard.fleet.catalog import TensorInfo
+
+    infos = [TensorInfo("w", (16, 8), "float32", "column", quantize=True),
+             TensorInfo("n", (8,), "float32", "replicated")]
+    src = {"w": Layout((16, 8), Mesh([0, 1, 2, 3], "fsdp"), ("fsdp",), "float32"),  # 4 rows a shard: blocks of 8 cut
+           "n": Layout((8,), Mesh([0, 1, 2, 3], "fsdp"), (), "float32")}
+    dst = {"w": Layout((16, 8), Mesh([4, 5], "tp"), ("tp",), "float32"),
+           "n": Layout((8,), Mesh([4, 5], "tp"), (), "float32")}
+    return infos, src, dst
+
+
+def test_fp8_layouts_exchange_and_summary_by_hand():
+    from jreshard.core.fp8 import Fp8Format
+    from jreshard.core.fp8_blocks import quant_plan
+    from jreshard.fleet.fp8 import amax_exchange, fp8_layouts
+
+    infos, src, dst = _fp8_pair()
+    fmt = Fp8Format(block=(8, 4))
+    src8, dst8 = fp8_layouts(infos, src, dst, fmt)
+    assert list(dst8) == ["w", "w_scale_inv", "n"] and list(src8) == list(dst8)
+    assert dst8["w"].dtype == "float8_e4m3fn" and dst8["n"].dtype == "float32" and src8["w"].dtype == "float32"
+    assert dst8["w_scale_inv"].shape == (2, 2) and dst8["w_scale_inv"].shard_shape(5) == (1, 2)
+    traffic, summary = amax_exchange(infos, src8, fmt, TOPO)
+    # Rows 0-4 | 4-8 | 8-12 | 12-16 against blocks 0-8 | 8-16: every block has two parts, two blocks a row.
+    assert (summary.quantized, summary.kept, summary.fp8_bytes, summary.scale_bytes, summary.kept_bytes) == (
+        1, 1, 128, 16, 32)
+    assert summary.cut_blocks == 4 and summary.nbytes == 4 * 2 * 4 and summary.messages == 4
+    assert summary.nbytes == 4 * len(quant_plan(src["w"], fmt).exchange().src)
+    assert traffic.nvl_out[1] == 4 * 2 and traffic.msg_out[1] == 1  # device 1 sends its 2 amaxes to device 0
+
+
+def test_fp8_exchange_is_a_first_stage_and_scales_ride_with_weights():
+    from jreshard.core.fp8 import Fp8Format
+    from jreshard.fleet.fp8 import fp8_costs, fp8_layouts
+
+    topo = Topology(gpus_per_domain=2, nvlink_GBps=100, network_GBps=10, latency_us=1)
+    infos, src, dst = _fp8_pair()
+    fmt = Fp8Format(block=(8, 4))
+    src8, dst8 = fp8_layouts(infos, src, dst, fmt)
+    costs, _ = fp8_costs(infos, src8, fmt, topo)
+    assert dict(costs.scales) == {"w_scale_inv": "w"}
+    plain = cost.compare(src8, dst8, topo, hierarchical="never")
+    with_fp8 = cost.compare(src8, dst8, topo, hierarchical="never", fp8=costs)
+    first = cost.predict(costs.exchange, topo)
+    assert first.seconds == pytest.approx(8 / 100e9 + 1e-6)  # each device: 8 bytes over NVLink in one message
+    assert with_fp8.direct.stages == pytest.approx((first.seconds, plain.direct.seconds))
+    assert with_fp8.flat_direct.seconds == pytest.approx(first.seconds + plain.flat_direct.seconds)
+    # Gather-then-broadcast sends each scale in its weight's collective: fewer messages, same bytes moved on.
+    gb = with_fp8.gather_broadcast
+    assert gb.seconds < plain.gather_broadcast.seconds
+    before = plain.gather_broadcast
+    assert gb.network_bytes + gb.nvlink_bytes == before.network_bytes + before.nvlink_bytes - 8  # device 1's scale row
+    assert gb.stages == pytest.approx((before.stages[0] - 1e-6, before.stages[1] - 1e-6))  # one message fewer each
+
+
+def test_fp8_inference_split_cutting_a_block_names_the_tensor():
+    from jreshard.core.fp8 import Fp8Format
+    from jreshard.fleet.fp8 import fp8_layouts, parse_block
+
+    infos, src, dst = _fp8_pair()
+    with pytest.raises(ValueError, match=r"FP8 delivery of w \(float8_e4m3fn with 16x8 blocks\): layout splits dim 0 "
+                                         r"\(size 16\) into shards of 8"):
+        fp8_layouts(infos, src, dst, Fp8Format(block=(16, 8)))
+    assert parse_block("128x64") == (128, 64) and parse_block("128") == (128, 128) and parse_block([4, 2]) == (4, 2)
+    assert parse_block("tensor") == (None, None) and parse_block("Channel") == (1, None)
+    for bad in ("0x128", "128x", [128], "x", [True, 4]):
+        with pytest.raises(ValueError, match="fp8_block must be two positive block sizes"):
+            parse_block(bad)
+
+
+def test_predict_layer_under_fp8():
+    p = layer.predict_layer({"model": "qwen3-moe-tiny", "train": {"gpus": 8, "ep": 8},
+                             "infer": {"gpus": 8, "tp": 2, "dp": 4}, "hardware": "dgx-h100",
+                             "dtype": "float8_e4m3fn", "fp8_block": [8, 8]}, 1)
+    # 8 experts x 3 projections of 64 x 128: one FP8 byte each, and (8 x 16) float32 scales
+    assert len(p.names) == 48 and p.nbytes == 24 * (64 * 128 + 8 * 16 * 4)
+    assert p.network_copies() == pytest.approx((4.0, 4.0))
