@@ -6,8 +6,15 @@ from typing import Any
 
 from bridge._plan import BridgePlan
 from bridge._wire import PlanMismatchError
-from bridge.vllm._handshake import (PROTOCOL, Recipe, Target, build_param_map, check_targets, engine_shape,
-                                    source_from_data)
+from bridge.vllm._handshake import (
+    PROTOCOL,
+    Recipe,
+    Target,
+    build_param_map,
+    check_targets,
+    engine_shape,
+    source_from_data,
+)
 
 __all__ = ["plan_from_hellos"]
 

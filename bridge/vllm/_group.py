@@ -12,6 +12,7 @@ reports) travel as JSON bytes over ``all_gather``.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 from typing import Any
@@ -58,10 +59,8 @@ def close_group(pg: dist.ProcessGroup | None) -> None:
         return
     c10d._world.pg_group_ranks.pop(pg, None)
     _STORES.pop(pg, None)
-    try:
+    with contextlib.suppress(RuntimeError, AttributeError):  # already broken by a dead peer, or an older torch
         pg.shutdown()
-    except (RuntimeError, AttributeError):  # already broken by a dead peer, or an older torch
-        pass
 
 
 def _wait(work: Any, timeout: float, what: str) -> None:

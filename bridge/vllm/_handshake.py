@@ -84,8 +84,8 @@ class Recipe:
 
         ``names`` overrides the expert param templates (see ``bridge.recipes.qwen3_moe.expert_rules``).
         """
-        from bridge.recipes.qwen3_moe import _shared_expert_rules, expert_rules
         from bridge.recipes.llama import llama_rules
+        from bridge.recipes.qwen3_moe import _shared_expert_rules, expert_rules
 
         dense = (*llama_rules(config, fused=True, vocab_pad=vocab_pad), *_shared_expert_rules(True))
         return cls(dense, tuple(expert_rules(target="vllm", names=names)), bool(config.tie_word_embeddings))

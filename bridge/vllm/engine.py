@@ -10,13 +10,14 @@ The trainer drives four phases on every worker:
    descriptions (the trainer's leaves and recipe; this worker's TP rank, replica and
    targets from the live model), build the ``ParamMap`` and ``BridgePlan`` and check
    every worker's targets. A mismatch is refused on every rank before any byte moves.
-2. ``start_weight_update``: checks that a group is open.
+2. ``start_weight_update``: nothing to prepare (the staging tensors persist).
 3. ``update_weights({"version": v})``: the bridge's ``Receiver`` receives this rank's
-   slices into staging tensors (this rank's logical layout, never a full tensor); the
-   trainers learn each worker's byte counters. A failure leaves the model untouched;
-   the group is then closed and the trainer initialises again.
-4. ``finish_weight_update``: commits the staging tensors into the model, layer by
-   layer, with vLLM's post-load processing (``bridge.vllm._model``).
+   slices into staging tensors (this rank's logical layout, never a full tensor). Once
+   every rank got everything, the staging tensors enter the model layer by layer with
+   vLLM's post-load processing (``bridge.vllm._model``), and every rank learns each
+   worker's outcome and byte counter. A failed transfer leaves the model untouched; the
+   group is then closed and the trainer initialises again.
+4. ``finish_weight_update``: ends the update (the engine's version is set by the client).
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ from vllm.distributed.weight_transfer.base import (
 from bridge._plan import BridgePlan
 from bridge._wire import SyncError, torch_dtype
 from bridge.receiver import Receiver
-from bridge.vllm._group import all_gather_ints, all_gather_json, close_group, open_group
+from bridge.vllm._agree import plan_from_hellos
+from bridge.vllm._group import all_gather_json, close_group, open_group
 from bridge.vllm._handshake import PROTOCOL, Target
 from bridge.vllm._model import live_targets, torch_dtype_name, write_layers
-from bridge.vllm._agree import plan_from_hellos
 
 __all__ = ["JReshardInitInfo", "JReshardUpdateInfo", "JReshardEngine", "CountingReceiver", "worker_hello"]
 
@@ -96,34 +97,37 @@ class JReshardEngine(WeightTransferEngine[JReshardInitInfo, JReshardUpdateInfo])
         self.plan: BridgePlan | None = None
         self.rank: int | None = None
         self.version: int | None = None  # the version now in the model
-        self._received: int | None = None  # the version in staging, not yet committed
+        self._received: int | None = None  # the version the current update committed
         self._info: JReshardInitInfo | None = None
 
     # ------------------------------------------------------------ phase 1
     def init_transfer_engine(self, init_info: JReshardInitInfo) -> None:
         self._close()
         self._info = init_info
-        hello, self.rank = worker_hello(self.vllm_config, init_info.trainer_world_size, live_targets(self.model),
-                                        torch_dtype_name(self.model_config.dtype))
-        self.group = open_group(init_info.master_address, init_info.master_port, self.rank, init_info.world_size,
-                                timeout=init_info.ready_timeout, name=init_info.group_name)
         try:
+            hello, self.rank = worker_hello(self.vllm_config, init_info.trainer_world_size,
+                                            live_targets(self.model), torch_dtype_name(self.model_config.dtype))
+            self.group = open_group(init_info.master_address, init_info.master_port, self.rank,
+                                    init_info.world_size, timeout=init_info.ready_timeout, name=init_info.group_name)
             hellos = all_gather_json(hello, self.group, timeout=init_info.ready_timeout, what="the handshake")
+        except Exception as e:  # the trainers time out waiting for this worker, or failed themselves
+            self._fail("joining the sync group", e)
+            return
+        error = None
+        try:
             self.plan = plan_from_hellos(hellos)
             staging = {p.name: torch.zeros(p.shape, dtype=torch_dtype(p.dtype), device=self.device)
                        for p in self.plan.param_map.for_rank(self.rank)}
             self.receiver = CountingReceiver(self.plan, staging, rank=self.rank, atomic=False,
                                              timeout=init_info.timeout, ready_timeout=init_info.ready_timeout)
-        except BaseException:
-            self._close()
-            raise
+        except Exception as e:  # a plan mismatch: every rank found the same one
+            error = f"{type(e).__name__}: {e}"
+        if not self._agree(error, "the handshake"):
+            return
         log.info("jreshard: rank %d joined the sync group: %r", self.rank, self.plan)
 
     # ------------------------------------------------------------ phases 2-4
     def start_weight_update(self) -> None:
-        if self.receiver is None or self.group is None:
-            raise SyncError("the jreshard engine has no sync group (never initialised, or closed after a failed "
-                            "sync); call init_weight_transfer_engine again.")
         self._received = None
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -133,28 +137,56 @@ class JReshardEngine(WeightTransferEngine[JReshardInitInfo, JReshardUpdateInfo])
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: JReshardUpdateInfo) -> None:
-        if self.receiver is None or self.group is None or self._info is None:
-            raise SyncError("update_weights before init_weight_transfer_engine; initialise first.")
+        if self.receiver is None or self.group is None:
+            log.error("jreshard: rank %s: update_weights without a sync group; the trainer initialises again "
+                      "after a failure.", self.rank)
+            return
         try:
             version = self.receiver.sync(self.group)
-            if version != update_info.version:
-                raise SyncError(f"the trainers sent version {version}, but update_weights announced "
-                                f"{update_info.version}; nothing was committed.")
-            all_gather_ints([version, self.receiver.bytes_received], self.group, timeout=self._info.timeout,
-                            what="the byte report")
-        except SyncError:
-            self._close()  # the group is unusable after a failed sync; the model is untouched
-            raise
-        self._received = version
+        except SyncError as e:  # every rank of the group fails this sync; the model is untouched
+            self._fail(f"receiving version {update_info.version}", e)
+            return
+        error = None
+        if version != update_info.version:
+            error = f"the trainers sent version {version}, but update_weights announced {update_info.version}"
+        else:
+            try:
+                write_layers(self.model, self.receiver.params)
+            except Exception as e:
+                error = f"committing version {version} failed: {type(e).__name__}: {e}"
+        if self._agree(error, "the commit report", version=version, bytes_received=self.receiver.bytes_received):
+            self.version = self._received = version
 
     def finish_weight_update(self) -> None:
-        if self._received is None or self.receiver is None:
-            raise SyncError("finish_weight_update without a complete update_weights; the model is unchanged.")
-        layers = write_layers(self.model, self.receiver.params)
-        self.version, self._received = self._received, None
-        log.info("jreshard: rank %d committed version %d (%d layers)", self.rank, self.version, layers)
+        if self._received is not None:
+            log.info("jreshard: rank %d serves version %d", self.rank, self._received)
+        self._received = None
 
     def shutdown(self) -> None:
+        self._close()
+
+    # ------------------------------------------------------------ failures
+    # A worker method that raises leaves vLLM 0.32's multiprocess executor with unread replies from
+    # the other workers, which later calls would read. So the phases never raise: every failure is
+    # one the trainers learn through the sync group (they fail the same collective, or read this
+    # worker's error in the next all_gather), and the worker logs it and closes the group.
+    def _agree(self, error: str | None, what: str, **report: Any) -> bool:
+        """Tells every rank this worker's outcome; True when nobody failed."""
+        assert self.group is not None and self._info is not None
+        try:
+            rows = all_gather_json({"rank": self.rank, "error": error, **report}, self.group,
+                                   timeout=self._info.timeout, what=what)
+        except SyncError as e:
+            self._fail(what, e)
+            return False
+        errors = [r["error"] for r in rows if r.get("error")]
+        if errors:
+            self._fail(what, errors[0])
+            return False
+        return True
+
+    def _fail(self, what: str, error: Any) -> None:
+        log.error("jreshard: rank %s: %s failed: %s", self.rank, what, error)
         self._close()
 
     def _close(self) -> None:

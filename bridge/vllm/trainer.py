@@ -22,10 +22,10 @@ from typing import Any
 import torch.distributed as dist
 
 from bridge._plan import BridgePlan
-from bridge._wire import SyncError
+from bridge._wire import PlanMismatchError, SyncError
 from bridge.sender import Sender, describe
 from bridge.vllm._agree import plan_from_hellos
-from bridge.vllm._group import all_gather_ints, all_gather_json, close_group, open_group
+from bridge.vllm._group import all_gather_json, close_group, open_group
 from bridge.vllm._handshake import PROTOCOL, Recipe, source_to_data
 
 __all__ = ["VLLMWeightSync", "SyncReport"]
@@ -96,7 +96,12 @@ class VLLMWeightSync:
         return self._pool.submit(getattr(self.client, method), *args)
 
     def connect(self, params: Any) -> BridgePlan:
-        """Opens the group with the workers and agrees on the plan (the first ``sync`` does this)."""
+        """Opens the group with the workers and agrees on the plan (the first ``sync`` does this).
+
+        Raises:
+          PlanMismatchError: the leaves and recipe do not match the engine (every rank refuses).
+          SyncError: a worker failed to join or to set up; see the engine's log.
+        """
         _ensure_torch_distributed()
         source = describe(params, list(range(self.trainers)))
         info = {"master_address": self.host, "master_port": self.port, "trainer_world_size": self.trainers,
@@ -108,12 +113,22 @@ class VLLMWeightSync:
         try:
             self.group = open_group(self.host, self.port, self.rank, self.world_size, timeout=self.ready_timeout)
             hellos = all_gather_json(hello, self.group, timeout=self.ready_timeout, what="the handshake")
-            self.plan = plan_from_hellos(hellos)
+            mismatch = None
+            try:
+                self.plan = plan_from_hellos(hellos)
+            except PlanMismatchError as e:  # every rank finds it; the workers still wait for the outcome
+                mismatch = e
+            rows = all_gather_json({"rank": self.rank, "error": None if mismatch is None else str(mismatch)},
+                                   self.group, timeout=self.timeout, what="the handshake")
+            if mismatch is not None:
+                raise mismatch
+            _raise_worker_errors(rows, "setting up")
+            assert self.plan is not None
             self.sender = Sender(self.plan, rank=self.rank, timeout=self.timeout, ready_timeout=self.ready_timeout)
-        except BaseException as e:
+        except BaseException:
             self.close()
             if init is not None:
-                _settle(init, e)
+                _settle(init)
             raise
         if init is not None:
             init.result()
@@ -124,14 +139,16 @@ class VLLMWeightSync:
 
         Raises:
           PlanMismatchError: the trainer's leaves and recipe do not match the engine (nothing moved).
-          SyncError: a peer died or stalled; the engine keeps serving its previous weights. The
-            group is closed; the next ``sync`` opens a new one (give a new ``port`` if the old
+          SyncError: a peer died, stalled or failed; the engine keeps serving its previous weights.
+            The group is closed; the next ``sync`` opens a new one (give a new ``port`` if the old
             one may still be bound).
         """
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"version must be a non-negative int (the training step), got {version!r}.")
         if self.group is None:
             self.connect(params)
-        assert self.sender is not None and self.plan is not None
-        paused = False
+        assert self.sender is not None
+        paused = started = False
         update = None
         try:
             if self.rank == 0:
@@ -139,25 +156,28 @@ class VLLMWeightSync:
                     self.client.pause_generation()
                     paused = True
                 self.client.start_weight_update()
+                started = True
                 update = self._call("update_weights", {"version": version})
             self.sender.sync(params, version, group=self.group)
-            rows = all_gather_ints([0, 0], self.group, timeout=self.timeout, what="the byte report")
+            rows = all_gather_json({"rank": self.rank, "error": None}, self.group, timeout=self.timeout,
+                                   what="the commit report")
+            _raise_worker_errors(rows, f"committing version {version}")
             if update is not None:
                 update.result()
                 self.client.finish_weight_update(str(version))
-        except BaseException as e:
+                started = False
+        except BaseException:
             self.close()
             if update is not None:
-                _settle(update, e)
+                _settle(update)
+            if started:  # ends the engine's update (it committed nothing)
+                self.client.finish_weight_update()
             raise
         finally:
             if paused:
                 self.client.resume_generation()
-        workers = range(self.trainers, self.world_size)
-        versions = {rows[r][0] for r in workers}
-        if versions != {version}:
-            raise SyncError(f"the workers report versions {sorted(versions)}, expected {version}.")
-        return SyncReport(version, {r: rows[r][1] for r in workers})
+        workers = [r for r in rows if r["rank"] >= self.trainers]
+        return SyncReport(version, {r["rank"]: int(r["bytes_received"]) for r in workers})
 
     def close(self) -> None:
         """Closes the group (the workers close theirs when a sync fails or on shutdown)."""
@@ -165,12 +185,16 @@ class VLLMWeightSync:
         self.group, self.sender = None, None
 
 
-def _settle(future: concurrent.futures.Future, cause: BaseException) -> None:
-    """Waits for a control-plane call that the failure ``cause`` also fails; logs its own error."""
+def _raise_worker_errors(rows: list[dict[str, Any]], what: str) -> None:
+    failed = [(r["rank"], r["error"]) for r in rows if r.get("error")]
+    if failed:
+        rank, error = failed[0]
+        raise SyncError(f"{what}: sync rank {rank} failed: {error}")
+
+
+def _settle(future: concurrent.futures.Future) -> None:
+    """Waits for a control-plane call made before a failure; its own error is only logged."""
     try:
         future.result()
     except Exception as e:  # the workers' side of the same failure
-        log.info("trainer: the engine's call failed too (%s: %s) after %s", type(e).__name__, e,
-                 type(cause).__name__)
-
-
+        log.info("trainer: the engine's call failed too: %s: %s", type(e).__name__, e)

@@ -5,6 +5,7 @@ Importable without jax, torch and vLLM (every process imports it before choosing
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -46,10 +47,8 @@ def kill_all(procs: Iterable[subprocess.Popen]) -> None:
     """SIGKILLs the process group of every process still running (each started with start_new_session)."""
     for p in procs:
         if p.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             p.wait(30)
 
 

@@ -38,9 +38,9 @@ def engine(tmp_path_factory):
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0|1",
                PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     env.pop("XLA_FLAGS", None)
-    log = open(base / "engine.log", "w")
-    proc = subprocess.Popen([C.python(), str(C.HERE / "engine_server.py"), str(base / "model"), str(port_file)],
-                            cwd=C.ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    with open(base / "engine.log", "w") as log:  # the child keeps its own descriptor
+        proc = subprocess.Popen([C.python(), str(C.HERE / "engine_server.py"), str(base / "model"), str(port_file)],
+                                cwd=C.ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + ENGINE_START
         while not port_file.exists():
@@ -54,7 +54,6 @@ def engine(tmp_path_factory):
         yield {"address": address, "dir": base, "model": base / "model", "initial": initial, "proc": proc}
     finally:
         C.kill_all([proc])
-        log.close()
 
 
 def generate(engine) -> list[dict]:
@@ -84,13 +83,12 @@ def start_trainers(engine, out: Path, versions: str, mode: str = "normal") -> li
                OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     procs = []
     for rank in range(C.TRAINERS):
-        log = open(out / f"trainer{rank}.log", "w")
-        procs.append(subprocess.Popen(
-            [C.python(), str(C.HERE / "trainer_worker.py"), "--rank", str(rank), "--jax-port", str(jax_port),
-             "--sync-port", str(sync_port), "--server", str(engine["address"][1]), "--model", str(engine["model"]),
-             "--out", str(out), "--versions", versions, "--mode", mode],
-            cwd=C.ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-        log.close()
+        with open(out / f"trainer{rank}.log", "w") as log:
+            procs.append(subprocess.Popen(
+                [C.python(), str(C.HERE / "trainer_worker.py"), "--rank", str(rank), "--jax-port", str(jax_port),
+                 "--sync-port", str(sync_port), "--server", str(engine["address"][1]), "--model",
+                 str(engine["model"]), "--out", str(out), "--versions", versions, "--mode", mode],
+                cwd=C.ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     return procs
 
 
