@@ -7,7 +7,9 @@ within each set of devices linked by shared replicas, the mean), and the cost
 model's predicted seconds for jreshard and the two baselines beside any published
 figures. Then the planner target: Kimi-K2, ~70,000 tensors, 256 -> 128 devices, and
 for scenarios that publish per-layer figures, one MoE layer's routed experts
-(``jreshard.fleet.layer``) next to them.
+(``jreshard.fleet.layer``) next to them. Last, FP8 delivery (``--dtype
+float8_e4m3fn``: block-scaled FP8 quantized at the sender, ``jreshard.fleet.fp8``)
+of the scenarios whose published figures move FP8, next to those figures.
 
 Run: ``.venv/bin/python benchmarks/scale_bench.py [scenario ...]`` (about two minutes).
 """
@@ -27,17 +29,21 @@ from jreshard.fleet.layer import format_layer, predict_layer  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from plan_bench import banner, timed  # noqa: E402
 
+FP8_SCENARIOS = ("dsv3-dgx-h100", "kimi-k2-256-to-128")  # published syncs that move FP8
 
-def run(name: str) -> dict:
-    s = scenario.load_scenario(name)
+
+def run(name: str, dtype: str | None = None) -> dict:
+    s = scenario.load_scenario(name, dtype=dtype)
     src, dst = s.layouts()
+    fp8 = s.fp8_costs()
     first, p = timed(lambda: (jreshard.clear_cache(), jreshard.plan(src, dst))[1])
     best, p = timed(lambda: (jreshard.clear_cache(), jreshard.plan(src, dst))[1], repeat=2)
     warm, _ = timed(lambda: jreshard.plan(src, dst), repeat=5)
     st = p.stats()
-    cmp = cost.compare(src, dst, s.topology(), jreshard_plan=p)
+    cmp = cost.compare(src, dst, s.topology(), jreshard_plan=p, fp8=fp8[0] if fp8 else None)
     return {"name": name, "tensors": len(src), "first": first, "cold": best, "warm": warm, "stats": st,
-            "bound": cost.sender_load_bound(src, st), "cmp": cmp, "published": s.published}
+            "bound": cost.sender_load_bound(src, st), "cmp": cmp, "published": s.published,
+            "fp8": fp8[1] if fp8 else None}
 
 
 def main(names: list[str]) -> None:
@@ -66,6 +72,18 @@ def main(names: list[str]) -> None:
             s = scenario.load_scenario(r["name"])
             first = min(t.layer for t in s.tensors() if t.is_expert and t.layer is not None)
             print("\n" + format_layer(predict_layer(s, first)))
+    fp8_rows = [(r, run(r["name"], "float8_e4m3fn")) for r in rows if r["name"] in FP8_SCENARIOS]
+    if fp8_rows:
+        print(f"\nFP8 delivery (float8_e4m3fn, 128x128 blocks, quantized at the sender):\n"
+              f"{'scenario':<38} {'bf16 TB':>8} {'fp8 TB':>8} {'amax B':>9}  {'bf16 s':>7} {'fp8 s':>7} "
+              f"{'gather+bcast fp8 s':>18}  published")
+        for r, f in fp8_rows:
+            pub = ", ".join(f"{k.removesuffix('_s')} {v}" for k, v in r["published"].items()
+                            if isinstance(v, (int, float)) and not k.startswith("moe_layer_"))
+            print(f"{r['name']:<38} {r['stats'].network_bytes / 1e12:>8.2f} {f['stats'].network_bytes / 1e12:>8.2f} "
+                  f"{f['fp8'].nbytes:>9,}  {r['cmp'].jreshard.seconds:>7.2f} {f['cmp'].jreshard.seconds:>7.2f} "
+                  f"{f['cmp'].gather_broadcast.seconds:>18.2f}  {pub}")
+        rows += [f for _, f in fp8_rows]
     print("\nmax/mean: largest sender over mean sender; max/bound: largest sender over the sender load bound "
           "(1.000 = no assignment does better). Predicted seconds from the alpha-beta model (docs/cost_model.md);")
     print("'hier' = hierarchical delivery won. Published figures are quoted in the scenario files, "
