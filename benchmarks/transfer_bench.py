@@ -17,7 +17,9 @@ Cases:
   (d) first call and warm call with a cast: a few hundred float32 leaves of a few shapes
       (``--leaves``), FSDP4 x TP2 to TP2 x DP4 on the same 8 devices, cast to bfloat16:
       ``jreshard.transfer(..., dtype=bfloat16)`` against ``astype`` + ``jax.device_put``,
-      each method in a fresh process (nothing compiled before its first call).
+      each method in a fresh process (nothing compiled before its first call), the
+      methods taking turns for ``--rounds`` rounds; medians of the first calls and of
+      the warm calls.
 
 Methods (a, b): jreshard.transfer (both transports), ``jax.device_put(x, target)``,
 gather-then-scatter (replicate each tensor on the destination devices, then slice),
@@ -338,27 +340,35 @@ def first_call_worker(method: str, leaves: int, reps: int) -> None:
                       "bytes": sum(x.nbytes for x in params.values())}), flush=True)
 
 
-def run_first_call(leaves: int, reps: int) -> None:
-    results = {}
-    for method in FIRST_CALL_METHODS:
-        proc = subprocess.run([sys.executable, __file__, "--first-call-worker", method, "--leaves", str(leaves),
-                               "--reps", str(reps)], capture_output=True, text=True, timeout=900,
-                              env=dict(os.environ, OMP_NUM_THREADS="1"))
-        if proc.returncode:
-            print(f"  case (d), {method} failed:\n{proc.stderr[-2000:]}")
-            return
-        results[method] = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
-    nbytes = next(iter(results.values()))["bytes"]
+def run_first_call(leaves: int, reps: int, rounds: int) -> None:
+    """Case (d): every method in a fresh process, the methods taking turns for ``rounds`` rounds
+    (so that a machine whose load drifts weighs on all of them alike)."""
+    first: dict[str, list[float]] = {m: [] for m in FIRST_CALL_METHODS}
+    warm: dict[str, list[float]] = {m: [] for m in FIRST_CALL_METHODS}
+    nbytes = 0
+    for _ in range(rounds):
+        for method in FIRST_CALL_METHODS:
+            proc = subprocess.run([sys.executable, __file__, "--first-call-worker", method, "--leaves", str(leaves),
+                                   "--reps", str(reps)], capture_output=True, text=True, timeout=900,
+                                  env=dict(os.environ, OMP_NUM_THREADS="1"))
+            if proc.returncode:
+                print(f"  case (d), {method} failed:\n{proc.stderr[-2000:]}")
+                return
+            r = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
+            first[method].append(r["first"])
+            warm[method].extend(r["warm"])
+            nbytes = r["bytes"]
     print(f"\ncase (d): {leaves} float32 leaves of shapes {list(FIRST_CALL_SHAPES)}, {nbytes / GiB:.3f} GiB, "
-          "FSDP4 x TP2 -> TP2 x DP4 on the same 8 devices, cast to bfloat16; each method in a fresh process")
-    warm = {method: statistics.median(r["warm"]) for method, r in results.items()}
-    for method, r in results.items():
-        print(f"  {method:<34} first {r['first'] * 1e3:8.1f} ms  warm median {warm[method] * 1e3:7.1f} ms"
-              f"  runs {', '.join(f'{t * 1e3:.0f}' for t in r['warm'])}")
+          f"FSDP4 x TP2 -> TP2 x DP4 on the same 8 devices, cast to bfloat16; each method in a fresh process, "
+          f"{rounds} rounds, {reps} warm calls each")
+    med = {m: (statistics.median(first[m]), statistics.median(warm[m])) for m in FIRST_CALL_METHODS}
+    for m in FIRST_CALL_METHODS:
+        print(f"  {m:<34} first median {med[m][0] * 1e3:8.1f} ms (runs {', '.join(f'{t * 1e3:.0f}' for t in first[m])})"
+              f"  warm median {med[m][1] * 1e3:7.1f} ms")
     base = "astype + jax.device_put"
-    for method in FIRST_CALL_METHODS[:2]:
-        print(f"  ratio, case (d), {method} / {base}: first call "
-              f"{results[method]['first'] / results[base]['first']:.2f}x, warm {warm[method] / warm[base]:.2f}x")
+    for m in FIRST_CALL_METHODS[:2]:
+        print(f"  ratio, case (d), {m} / {base}: first call {med[m][0] / med[base][0]:.2f}x, "
+              f"warm {med[m][1] / med[base][1]:.2f}x")
 
 
 def main() -> None:
@@ -368,6 +378,7 @@ def main() -> None:
     ap.add_argument("--mp-bytes", type=int, default=GiB // 4, help="model size for case c")
     ap.add_argument("--cases", default="abcd")
     ap.add_argument("--leaves", type=int, default=256, help="leaves for case d")
+    ap.add_argument("--rounds", type=int, default=3, help="fresh processes per method for case d")
     ap.add_argument("--first-call-worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
@@ -388,7 +399,7 @@ def main() -> None:
     if "c" in args.cases:
         run_multiprocess(args.reps, args.mp_bytes)
     if "d" in args.cases:
-        run_first_call(args.leaves, args.reps)
+        run_first_call(args.leaves, args.reps, args.rounds)
 
 
 if __name__ == "__main__":

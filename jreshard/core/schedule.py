@@ -36,6 +36,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import defaultdict
 from collections.abc import Collection, Mapping, Sequence
 
@@ -133,17 +134,41 @@ def pieces(tplans: Sequence[TensorPlan], *, itemsizes: Sequence[int], cap: int |
     for leaf, tp in enumerate(tplans):
         if leaf in skip_leaves:
             continue
-        src_shards, dst_shards = tp.src.shards(), tp.dst.shards()
-        itemsize = itemsizes[leaf]
-        for s, d, lo, hi in zip(tp.move_src.tolist(), tp.move_dst.tolist(), tp.move_lo.tolist(),
-                                tp.move_hi.tolist(), strict=True):
-            if (leaf, d) in skipped:
-                continue
-            box = Box.from_bounds(lo, hi)
-            for part in [box] if s == d or cap is None else split_box(box, itemsize, cap):
-                out.append(Piece(leaf, s, d, part.relative_to(src_shards[s]), part.relative_to(dst_shards[d]),
-                                 part.size * itemsize))
+        for s, d, src_box, dst_box, nbytes in _parts(_Moves.of(tp), itemsizes[leaf], cap):
+            if (leaf, d) not in skipped:
+                out.append(Piece(leaf, s, d, src_box, dst_box, nbytes))
     return out
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Moves:
+    """A tensor plan's moves, equal for equal layouts and moves (a model's layers share one)."""
+
+    key: tuple
+    plan: TensorPlan = dataclasses.field(compare=False)
+
+    @classmethod
+    def of(cls, tp: TensorPlan) -> _Moves:
+        arrays = (tp.move_src, tp.move_dst, tp.move_lo, tp.move_hi)
+        return cls((tp.src, tp.dst, *(a.tobytes() for a in arrays), tp.move_lo.shape), tp)
+
+
+@functools.lru_cache(maxsize=1024)
+def _parts(moves: _Moves, itemsize: int, cap: int | None) -> tuple[tuple[int, int, Box, Box, int], ...]:
+    """(sender, receiver, box in the source shard, box in the destination shard, bytes) of each piece.
+
+    Cached: cutting and placing the boxes of hundreds of equal leaves one by one
+    was most of a first sync's set-up.
+    """
+    tp = moves.plan
+    src_shards, dst_shards = tp.src.shards(), tp.dst.shards()
+    out = []
+    for s, d, lo, hi in zip(tp.move_src.tolist(), tp.move_dst.tolist(), tp.move_lo.tolist(),
+                            tp.move_hi.tolist(), strict=True):
+        box = Box.from_bounds(lo, hi)
+        for part in [box] if s == d or cap is None else split_box(box, itemsize, cap):
+            out.append((s, d, part.relative_to(src_shards[s]), part.relative_to(dst_shards[d]), part.size * itemsize))
+    return tuple(out)
 
 
 def _first_fit(network: list[Piece], cap: int) -> list[list[int]]:

@@ -105,8 +105,8 @@ class Executor:
             raise ValueError(f"the plan names devices {missing} that jax does not have; its devices are "
                              f"{sorted(devices)}. Make the plan from the arrays and shardings passed.")
         self._devices = devices
-        self._casts = HostCasts.build(spec.src_dtypes, spec.dtypes,
-                                      [sum(m.size for m in tp.moves) > math.prod(tp.shape) for tp in spec.tplans])
+        fan_out = [int(tp.move_bytes.sum()) > math.prod(tp.shape) * tp.itemsize for tp in spec.tplans]
+        self._casts = HostCasts.build(spec.src_dtypes, spec.dtypes, fan_out)
         self.buckets = [] if spec.transport == "memcpy" else schedule(
             spec.tplans, itemsizes=[dt.itemsize for dt in spec.dtypes], cap=spec.cap,
             skip_leaves=dests.passthrough, skip_shards=dests.reuse)
