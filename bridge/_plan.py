@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from bridge._args import check_flag, check_int
 from bridge._param_map import Param, ParamMap
 from bridge._reduce import Job, jobs
 from bridge._source import Source, split_source_id
@@ -149,8 +150,8 @@ class BridgePlan:
             raise TypeError("give param_map or its old name mapping=, not both.")
         if not isinstance(param_map, ParamMap):
             raise TypeError(f"param_map must be a bridge.ParamMap, got {type(param_map).__name__}.")
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < ALIGN:
-            raise ValueError(f"bucket_bytes must be an int >= {ALIGN}, got {bucket_bytes!r}.")
+        bucket_bytes = check_int("bucket_bytes", bucket_bytes, minimum=ALIGN)
+        balance = check_flag("balance", balance)
         param_map.check(source)
         _check_wire_dtypes(param_map)
         clash = set(param_map.ranks) & set(source.ranks)
