@@ -13,6 +13,7 @@ from bridge.vllm._handshake import (
     build_param_map,
     check_targets,
     engine_shape,
+    resolve_names,
     source_from_data,
 )
 
@@ -41,6 +42,7 @@ def plan_from_hellos(hellos: list[dict[str, Any]]) -> BridgePlan:
     except ValueError as e:
         raise PlanMismatchError(f"the trainer's leaves and recipe do not fit the engine: {e}") from None
     targets = {h["rank"]: [Target(n, tuple(s), d) for n, s, d in h["targets"]] for h in workers}
+    param_map = resolve_names(param_map, targets)
     problems = check_targets(param_map, targets)
     if problems:
         raise PlanMismatchError("the trainer's leaves and recipe do not match the vLLM engine; nothing was sent: "

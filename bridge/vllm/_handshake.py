@@ -26,7 +26,7 @@ from jreshard.core.layout import Layout
 from jreshard.core.mesh import Mesh
 
 __all__ = ["Recipe", "EngineShape", "Target", "source_to_data", "source_from_data", "build_param_map", "engine_shape",
-           "check_targets", "PROTOCOL"]
+           "resolve_names", "check_targets", "PROTOCOL"]
 
 PROTOCOL = 1  # bumped when the descriptions change shape
 
@@ -171,6 +171,29 @@ def build_param_map(source: Source, recipe: Recipe, engine: EngineShape) -> Para
 
         param_map = tie_lm_head(param_map)
     return param_map
+
+
+def resolve_names(param_map: ParamMap, targets: Mapping[int, Sequence[Target]]) -> ParamMap:
+    """Renames params to the live model's names where the engine nests a module one level deeper.
+
+    A recipe names vLLM's modules as the model code builds them
+    (``model.layers.0.mlp.experts.w13_weight``); some vLLM versions hold the same parameter
+    in a submodule (``model.layers.0.mlp.experts.routed_experts.w13_weight``). A param whose
+    name is not a target of its rank takes the one target under the same parent module with
+    the same parameter name and shape, if there is exactly one; every rank resolves alike.
+    """
+    by_rank = {rank: {t.name: t for t in live} for rank, live in targets.items()}
+    out = []
+    for p in param_map.params:
+        live = by_rank.get(p.rank, {})
+        if p.name not in live:
+            parent, _, leaf = p.name.rpartition(".")
+            found = [t for t in live.values() if t.name.startswith(parent + ".") and t.name.endswith("." + leaf)
+                     and t.name.count(".") == p.name.count(".") + 1 and tuple(t.shape) == tuple(p.shape)]
+            if len(found) == 1:
+                p = dataclasses.replace(p, name=found[0].name)
+        out.append(p)
+    return ParamMap(out)
 
 
 def check_targets(param_map: ParamMap, targets: Mapping[int, Sequence[Target]]) -> list[str]:

@@ -91,7 +91,14 @@ def _reprocess(module: torch.nn.Module, values: Mapping[str, torch.Tensor]) -> N
             t.data.copy_(kernel_buffers[name])
     if hasattr(module, "_already_called_process_weights_after_loading"):
         delattr(module, "_already_called_process_weights_after_loading")
-    module.quant_method.process_weights_after_loading(module)
+    method = module.quant_method
+    on_cpu = any(t.device.type == "cpu" for t in params.values())
+    if on_cpu and getattr(method, "moe_kernel", None) is not None:
+        # vLLM 0.32 treats a second processing as a weight update and skips the CPU experts' prepack
+        # (it keeps the kernel built at load time), so the kernel would read logical weights as
+        # packed ones. Without a kernel the first-load path runs: a new kernel, the weights prepacked.
+        method.moe_kernel = None
+    method.process_weights_after_loading(module)
     if hasattr(module, "update_param_tp_status"):
         module.update_param_tp_status()
     new_params, new_buffers = get_layer_params_buffers(module)

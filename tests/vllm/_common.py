@@ -18,14 +18,14 @@ from typing import Any
 
 import numpy as np
 
-from jreshard.nn import LlamaConfig
+from jreshard.nn import LlamaConfig, MoeConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 AUTHKEY = b"jreshard-vllm-tests"
 TRAINERS = 2  # JAX processes, 2 simulated devices each, FSDP over 4
 TP = 2  # vLLM workers
-PROMPTS = [[1, 2, 3, 4, 5], [17, 400, 9], [999, 0, 512, 37, 8, 61]]
+PROMPTS = [[1, 2, 3, 4, 5], [17, 400, 9], [499, 0, 311, 37, 8, 61]]  # below both vocabularies
 MAX_TOKENS = 8
 
 
@@ -35,6 +35,17 @@ def qwen3_config() -> LlamaConfig:
     return LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=1, head_dim=32, qk_norm=True,
                        tie_word_embeddings=False, name="qwen3-test")
+
+
+def moe_config() -> MoeConfig:
+    """A tiny Qwen3-MoE: 8 experts of 64, both layers sparse; vLLM's FusedMoE splits each expert over TP2."""
+    return MoeConfig.load("qwen3-moe-tiny")
+
+
+def config(kind: str) -> LlamaConfig:
+    if kind not in ("dense", "moe"):
+        raise ValueError(f"kind must be 'dense' or 'moe', got {kind!r}.")
+    return qwen3_config() if kind == "dense" else moe_config()
 
 
 def free_port() -> int:
@@ -66,8 +77,16 @@ def hf_to_flax(state: dict[str, np.ndarray], cfg: LlamaConfig) -> dict[str, np.n
             out[j + f"attn/{n}_proj/kernel"] = state[h + f"self_attn.{n}_proj.weight"].T
         for n in "qk":
             out[j + f"attn/{n}_norm/scale"] = state[h + f"self_attn.{n}_norm.weight"]
-        for n in ("gate", "up", "down"):
-            out[j + f"mlp/{n}_proj/kernel"] = state[h + f"mlp.{n}_proj.weight"].T
+        if isinstance(cfg, MoeConfig) and cfg.is_sparse(i):
+            gate_up = state[h + "mlp.experts.gate_up_proj"]  # [E, 2I, H]: gate rows, then up rows
+            inner = gate_up.shape[1] // 2
+            out[j + "mlp/experts/gate_proj"] = gate_up[:, :inner].transpose(0, 2, 1)  # [E, H, I]
+            out[j + "mlp/experts/up_proj"] = gate_up[:, inner:].transpose(0, 2, 1)
+            out[j + "mlp/experts/down_proj"] = state[h + "mlp.experts.down_proj"].transpose(0, 2, 1)  # [E, I, H]
+            out[j + "mlp/router/kernel"] = state[h + "mlp.gate.weight"].T  # [H, E]
+        else:
+            for n in ("gate", "up", "down"):
+                out[j + f"mlp/{n}_proj/kernel"] = state[h + f"mlp.{n}_proj.weight"].T
         out[j + "input_norm/scale"] = state[h + "input_layernorm.weight"]
         out[j + "post_attention_norm/scale"] = state[h + "post_attention_layernorm.weight"]
     return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
@@ -83,8 +102,14 @@ def flax_to_hf(flat: dict[str, np.ndarray], cfg: LlamaConfig) -> dict[str, np.nd
             out[h + f"self_attn.{n}_proj.weight"] = flat[j + f"attn/{n}_proj/kernel"].T
         for n in "qk":
             out[h + f"self_attn.{n}_norm.weight"] = flat[j + f"attn/{n}_norm/scale"]
-        for n in ("gate", "up", "down"):
-            out[h + f"mlp.{n}_proj.weight"] = flat[j + f"mlp/{n}_proj/kernel"].T
+        if isinstance(cfg, MoeConfig) and cfg.is_sparse(i):
+            gate, up = flat[j + "mlp/experts/gate_proj"], flat[j + "mlp/experts/up_proj"]
+            out[h + "mlp.experts.gate_up_proj"] = np.concatenate([gate, up], axis=2).transpose(0, 2, 1)
+            out[h + "mlp.experts.down_proj"] = flat[j + "mlp/experts/down_proj"].transpose(0, 2, 1)
+            out[h + "mlp.gate.weight"] = flat[j + "mlp/router/kernel"].T
+        else:
+            for n in ("gate", "up", "down"):
+                out[h + f"mlp.{n}_proj.weight"] = flat[j + f"mlp/{n}_proj/kernel"].T
         out[h + "input_layernorm.weight"] = flat[j + "input_norm/scale"]
         out[h + "post_attention_layernorm.weight"] = flat[j + "post_attention_norm/scale"]
     return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
@@ -97,9 +122,11 @@ def hf_model(cfg: LlamaConfig, state: dict[str, np.ndarray] | None = None, seed:
     import transformers
 
     torch.manual_seed(seed)
-    conf = transformers.Qwen3Config(**cfg.hf_kwargs(), initializer_range=0.1, max_position_embeddings=256,
-                                    attn_implementation="eager")
-    model = transformers.Qwen3ForCausalLM(conf).eval()
+    moe = isinstance(cfg, MoeConfig)
+    conf_cls = transformers.Qwen3MoeConfig if moe else transformers.Qwen3Config
+    conf = conf_cls(**cfg.hf_kwargs(), initializer_range=0.1, max_position_embeddings=256,
+                    attn_implementation="eager")
+    model = (transformers.Qwen3MoeForCausalLM if moe else transformers.Qwen3ForCausalLM)(conf).eval()
     if state is not None:
         model.load_state_dict({k: torch.from_numpy(np.array(v, copy=True)) for k, v in state.items()}, strict=True)
     return model

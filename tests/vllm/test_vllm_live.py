@@ -7,13 +7,6 @@ log-probabilities against ``transformers`` loaded with the trainers' weights.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import time
-from pathlib import Path
-
-import numpy as np
 import pytest
 
 pytest.importorskip("vllm")
@@ -21,103 +14,26 @@ pytest.importorskip("transformers")
 pytest.importorskip("jax")
 
 from tests.vllm import _common as C  # noqa: E402
+from tests.vllm._live import (  # noqa: E402
+    assert_matches,
+    check_two_syncs,
+    engine_server,
+    finish,
+    generate,
+    logs,
+    oracle,
+    start_trainers,
+    version,
+    wait_sync,
+)
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
-
-ENGINE_START = 900.0  # seconds: an engine starts in about a minute, much longer on a loaded machine
-STEP = 600.0  # seconds for trainers to start, take a step and sync
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    base = tmp_path_factory.mktemp("vllm_engine")
-    cfg = C.qwen3_config()
-    model = C.hf_model(cfg)
-    model.save_pretrained(base / "model")
-    port_file = base / "port"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0|1",
-               PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    env.pop("XLA_FLAGS", None)
-    with open(base / "engine.log", "w") as log:  # the child keeps its own descriptor
-        proc = subprocess.Popen([C.python(), str(C.HERE / "engine_server.py"), str(base / "model"), str(port_file)],
-                                cwd=C.ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + ENGINE_START
-        while not port_file.exists():
-            if proc.poll() is not None:
-                pytest.fail(f"the engine exited ({proc.returncode}):\n{(base / 'engine.log').read_text()[-6000:]}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"the engine did not start within {ENGINE_START:g} s")
-            time.sleep(1)
-        address = ("127.0.0.1", int(port_file.read_text()))
-        initial = C.hf_greedy(model, C.PROMPTS, C.MAX_TOKENS)
-        yield {"address": address, "dir": base, "model": base / "model", "initial": initial, "proc": proc}
-    finally:
-        C.kill_all([proc])
-
-
-def generate(engine) -> list[dict]:
-    return C.request(engine["address"], "generate", prompts=C.PROMPTS, max_tokens=C.MAX_TOKENS)
-
-
-def version(engine) -> str:
-    return C.request(engine["address"], "version")
-
-
-def assert_matches(got: list[dict], want: list[dict]) -> None:
-    assert [g["tokens"] for g in got] == [w["tokens"] for w in want]
-    np.testing.assert_allclose([g["logprobs"] for g in got], [w["logprobs"] for w in want], rtol=0, atol=2e-4)
-
-
-def oracle(out: Path, v: int) -> list[dict]:
-    cfg = C.qwen3_config()
-    with np.load(out / f"params_v{v}.npz") as z:
-        flat = {k: z[k] for k in z.files}
-    return C.hf_greedy(C.hf_model(cfg, C.flax_to_hf(flat, cfg)), C.PROMPTS, C.MAX_TOKENS)
-
-
-def start_trainers(engine, out: Path, versions: str, mode: str = "normal") -> list[subprocess.Popen]:
-    out.mkdir(parents=True, exist_ok=True)
-    jax_port, sync_port = C.free_port(), C.free_port()
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
-               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    procs = []
-    for rank in range(C.TRAINERS):
-        with open(out / f"trainer{rank}.log", "w") as log:
-            procs.append(subprocess.Popen(
-                [C.python(), str(C.HERE / "trainer_worker.py"), "--rank", str(rank), "--jax-port", str(jax_port),
-                 "--sync-port", str(sync_port), "--server", str(engine["address"][1]), "--model",
-                 str(engine["model"]), "--out", str(out), "--versions", versions, "--mode", mode],
-                cwd=C.ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-    return procs
-
-
-def logs(out: Path) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(out.glob("trainer*.log")))
-
-
-def wait_sync(out: Path, procs, rank: int, v: int) -> dict:
-    """Rank ``rank``'s record of sync ``v`` once written (fails if the trainers died first)."""
-    deadline = time.monotonic() + STEP
-    path = out / f"rank{rank}.json"
-    while time.monotonic() < deadline:
-        if path.exists():
-            rec = json.loads(path.read_text())["syncs"].get(str(v))
-            if rec is not None:
-                return rec
-        if all(p.poll() is not None for p in procs):
-            break
-        time.sleep(0.5)
-    pytest.fail(f"no record of sync {v} from trainer rank {rank}:\n{logs(out)}")
-
-
-def finish(procs, out: Path) -> list[int]:
-    try:
-        return [p.wait(STEP) for p in procs]
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"trainers did not exit:\n{logs(out)}")
-    finally:
-        C.kill_all(procs)
+    with engine_server(tmp_path_factory.mktemp("vllm_dense"), "dense") as e:
+        yield e
 
 
 def test_engine_serves_the_saved_model(engine):
@@ -125,30 +41,7 @@ def test_engine_serves_the_saved_model(engine):
 
 
 def test_two_syncs_match_transformers_with_the_trainers_weights(engine, tmp_path):
-    before = generate(engine)
-    procs = start_trainers(engine, tmp_path, "1,2")
-    try:
-        for v in (1, 2):
-            rec = wait_sync(tmp_path, procs, 0, v)
-            assert rec["ok"], rec
-            got = generate(engine)
-            assert_matches(got, oracle(tmp_path, v))
-            assert [g["tokens"] for g in got] != [b["tokens"] for b in before]
-            assert version(engine) == str(v)
-            # Every worker received exactly its slices: the counters equal the plan's bytes, which
-            # equal the lower bound (the bytes of its params' regions; the padded vocabulary rows of
-            # TP rank 1 are not sent).
-            workers = [str(r) for r in range(C.TRAINERS, C.TRAINERS + C.TP)]
-            assert sorted(rec["bytes_received"]) == workers
-            for r in workers:
-                assert rec["bytes_received"][r] == rec["plan_recv"][r] == rec["region_bytes"][r]
-            assert rec["region_bytes"][workers[1]] < rec["param_bytes"][workers[1]]
-            assert rec["region_bytes"][workers[0]] == rec["param_bytes"][workers[0]]
-            before = got
-            (tmp_path / f"go_v{v}").touch()
-        assert finish(procs, tmp_path) == [0, 0], logs(tmp_path)
-    finally:
-        C.kill_all(procs)
+    check_two_syncs(engine, tmp_path, padded_vocab=True)
 
 
 def test_plan_mismatch_is_refused_before_any_byte_moves(engine, tmp_path):
@@ -181,7 +74,7 @@ def test_a_trainer_killed_mid_sync_leaves_the_engine_serving_then_a_later_sync_s
     try:
         rec = wait_sync(tmp_path / "again", procs, 0, 6)
         assert rec["ok"], rec
-        assert_matches(generate(engine), oracle(tmp_path / "again", 6))
+        assert_matches(generate(engine), oracle(engine, tmp_path / "again", 6))
         assert version(engine) == "6"
         (tmp_path / "again" / "go_v6").touch()
         assert finish(procs, tmp_path / "again") == [0, 0], logs(tmp_path / "again")

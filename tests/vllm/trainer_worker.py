@@ -2,7 +2,7 @@
 
 Started by tests/vllm/test_vllm_live.py, two at a time:
 ``trainer_worker.py --rank R --jax-port P --sync-port Q --server PORT --model DIR --out DIR --versions 1,2``.
-Both start from the engine's initial weights (read from the saved model), take one training step per
+Both start from the engine's initial weights (``initial.npz`` next to the saved model), take one training step per
 version and sync it into the engine through bridge.vllm.VLLMWeightSync. Rank 0 saves each version's
 weights (``params_v{v}.npz``) and every rank its events (``rank{R}.json``: reports, errors, plan bytes).
 Rank 0 waits for the file ``go_v{v}`` before the next version, so the test can query the engine in between.
@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--versions", default="1")
     ap.add_argument("--mode", default="normal", choices=["normal", "mismatch", "die"])
+    ap.add_argument("--kind", default="dense", choices=["dense", "moe"])
     args = ap.parse_args()
 
     import dataclasses
@@ -54,7 +55,6 @@ def main() -> None:
     import jax.numpy as jnp
     from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from safetensors.numpy import load_file
 
     from bridge.vllm import Recipe, VLLMWeightSync
     from jreshard.nn import fsdp_spec, make_optimizer, train_step
@@ -62,8 +62,9 @@ def main() -> None:
     jax.distributed.initialize(f"127.0.0.1:{args.jax_port}", num_processes=C.TRAINERS, process_id=args.rank,
                                initialization_timeout=120)
     mesh = jax.make_mesh((4,), ("fsdp",), devices=jax.devices(), axis_types=(jax.sharding.AxisType.Auto,))
-    cfg = C.qwen3_config()
-    flat = C.hf_to_flax(load_file(os.path.join(args.model, "model.safetensors")), cfg)
+    cfg = C.config(args.kind)
+    with np.load(os.path.join(args.model, "initial.npz")) as z:
+        flat = C.hf_to_flax({k: z[k] for k in z.files}, cfg)
     params: dict = {}
     for path, a in flat.items():
         node = params
@@ -76,7 +77,7 @@ def main() -> None:
     state = opt.init(params)
     step = jax.jit(train_step, static_argnums=(0, 1))
 
-    recipe = Recipe.llama(cfg)
+    recipe = Recipe.llama(cfg) if args.kind == "dense" else Recipe.qwen3_moe(cfg)
     if args.mode == "mismatch":
         recipe = Recipe(tuple(dataclasses.replace(r, dtype="bfloat16") for r in recipe.rules))
     client = C.RemoteClient(("127.0.0.1", args.server)) if args.rank == 0 else None

@@ -1,0 +1,142 @@
+"""Helpers of the live vLLM tests: an engine server per test module, trainer processes, the oracle."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.vllm import _common as C
+
+ENGINE_START = 900.0  # seconds: an engine starts in about a minute, much longer on a loaded machine
+STEP = 600.0  # seconds for trainers to start, take a step and sync
+
+
+@contextlib.contextmanager
+def engine_server(base: Path, kind: str) -> Iterator[dict]:
+    """A vLLM engine (TP2, backend "jreshard") on a random ``kind`` model saved under ``base``."""
+    cfg = C.config(kind)
+    model = C.hf_model(cfg)
+    model.save_pretrained(base / "model")
+    np.savez(base / "model" / "initial.npz", **{k: v.numpy() for k, v in model.state_dict().items()})
+    port_file = base / "port"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0|1",
+               PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    env.pop("XLA_FLAGS", None)
+    with open(base / "engine.log", "w") as log:  # the child keeps its own descriptor
+        proc = subprocess.Popen([C.python(), str(C.HERE / "engine_server.py"), str(base / "model"), str(port_file)],
+                                cwd=C.ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + ENGINE_START
+        while not port_file.exists():
+            if proc.poll() is not None:
+                pytest.fail(f"the engine exited ({proc.returncode}):\n{(base / 'engine.log').read_text()[-6000:]}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"the engine did not start within {ENGINE_START:g} s")
+            time.sleep(1)
+        address = ("127.0.0.1", int(port_file.read_text()))
+        initial = C.hf_greedy(model, C.PROMPTS, C.MAX_TOKENS)
+        yield {"address": address, "dir": base, "model": base / "model", "initial": initial, "proc": proc,
+               "kind": kind}
+    finally:
+        C.kill_all([proc])
+
+
+def generate(engine) -> list[dict]:
+    return C.request(engine["address"], "generate", prompts=C.PROMPTS, max_tokens=C.MAX_TOKENS)
+
+
+def version(engine) -> str:
+    return C.request(engine["address"], "version")
+
+
+def assert_matches(got: list[dict], want: list[dict]) -> None:
+    assert [g["tokens"] for g in got] == [w["tokens"] for w in want]
+    np.testing.assert_allclose([g["logprobs"] for g in got], [w["logprobs"] for w in want], rtol=0, atol=2e-4)
+
+
+def oracle(engine: dict, out: Path, v: int) -> list[dict]:
+    cfg = C.config(engine["kind"])
+    with np.load(out / f"params_v{v}.npz") as z:
+        flat = {k: z[k] for k in z.files}
+    return C.hf_greedy(C.hf_model(cfg, C.flax_to_hf(flat, cfg)), C.PROMPTS, C.MAX_TOKENS)
+
+
+def start_trainers(engine, out: Path, versions: str, mode: str = "normal") -> list[subprocess.Popen]:
+    out.mkdir(parents=True, exist_ok=True)
+    jax_port, sync_port = C.free_port(), C.free_port()
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    procs = []
+    for rank in range(C.TRAINERS):
+        with open(out / f"trainer{rank}.log", "w") as log:
+            procs.append(subprocess.Popen(
+                [C.python(), str(C.HERE / "trainer_worker.py"), "--rank", str(rank), "--jax-port", str(jax_port),
+                 "--sync-port", str(sync_port), "--server", str(engine["address"][1]), "--model",
+                 str(engine["model"]), "--out", str(out), "--versions", versions, "--mode", mode,
+                 "--kind", engine["kind"]],
+                cwd=C.ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    return procs
+
+
+def logs(out: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(out.glob("trainer*.log")))
+
+
+def wait_sync(out: Path, procs, rank: int, v: int) -> dict:
+    """Rank ``rank``'s record of sync ``v`` once written (fails if the trainers died first)."""
+    deadline = time.monotonic() + STEP
+    path = out / f"rank{rank}.json"
+    while time.monotonic() < deadline:
+        if path.exists():
+            rec = json.loads(path.read_text())["syncs"].get(str(v))
+            if rec is not None:
+                return rec
+        if all(p.poll() is not None for p in procs):
+            break
+        time.sleep(0.5)
+    pytest.fail(f"no record of sync {v} from trainer rank {rank}:\n{logs(out)}")
+
+
+def finish(procs, out: Path) -> list[int]:
+    try:
+        return [p.wait(STEP) for p in procs]
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"trainers did not exit:\n{logs(out)}")
+    finally:
+        C.kill_all(procs)
+
+
+def check_two_syncs(engine: dict, tmp_path: Path, *, padded_vocab: bool) -> None:
+    """Two trainers sync versions 1 and 2; after each the engine equals transformers on their weights."""
+    before = generate(engine)
+    procs = start_trainers(engine, tmp_path, "1,2")
+    try:
+        for v in (1, 2):
+            rec = wait_sync(tmp_path, procs, 0, v)
+            assert rec["ok"], rec
+            got = generate(engine)
+            assert_matches(got, oracle(engine, tmp_path, v))
+            assert [g["tokens"] for g in got] != [b["tokens"] for b in before]
+            assert version(engine) == str(v)
+            # Every worker received exactly its slices: the counters equal the plan's bytes, which
+            # equal the lower bound (the bytes of its params' regions; the padded vocabulary rows of
+            # TP rank 1 are not sent).
+            workers = [str(r) for r in range(C.TRAINERS, C.TRAINERS + C.TP)]
+            assert sorted(rec["bytes_received"]) == workers
+            for r in workers:
+                assert rec["bytes_received"][r] == rec["plan_recv"][r] == rec["region_bytes"][r]
+            assert rec["region_bytes"][workers[0]] == rec["param_bytes"][workers[0]]
+            assert (rec["region_bytes"][workers[1]] < rec["param_bytes"][workers[1]]) == padded_vocab
+            before = got
+            (tmp_path / f"go_v{v}").touch()
+        assert finish(procs, tmp_path) == [0, 0], logs(tmp_path)
+    finally:
+        C.kill_all(procs)
