@@ -53,17 +53,21 @@ class Recipe:
     Args:
       rules: rules applied over every tensor-parallel group (attention, dense MLP, norms,
         embeddings); the first rule whose pattern matches a leaf applies.
-      expert_rules: rules of routed experts, applied over the engine's expert grid: the TP
-        groups, or with expert parallelism one row per rank (linear placement).
+      expert_rules: rules of routed experts split over each TP group (the engine without
+        expert parallelism).
+      ep_expert_rules: the same experts split linearly over the engine's ranks (vLLM's
+        ``enable_expert_parallel``: one row per rank, experts whole); used when the engine has
+        expert parallelism.
       tie_lm_head: the engine has an ``lm_head.weight`` filled from the embedding.
     """
 
     rules: tuple[Rule, ...]
     expert_rules: tuple[Rule, ...] = ()
+    ep_expert_rules: tuple[Rule, ...] = ()
     tie_lm_head: bool = False
 
     def __post_init__(self) -> None:
-        for what in ("rules", "expert_rules"):
+        for what in ("rules", "expert_rules", "ep_expert_rules"):
             value = tuple(getattr(self, what))
             for r in value:
                 if not isinstance(r, Rule):
@@ -82,22 +86,25 @@ class Recipe:
     def qwen3_moe(cls, config: Any, *, vocab_pad: int = 64, names: dict[str, str] | None = None) -> Recipe:
         """``jreshard.nn``'s Qwen3-MoE model as vLLM names it (``FusedMoE`` ``w13_weight``/``w2_weight``).
 
-        ``names`` overrides the expert param templates (see ``bridge.recipes.qwen3_moe.expert_rules``).
+        ``names`` overrides the expert param templates (see ``bridge.recipes.qwen3_moe.expert_rules``);
+        where vLLM nests the experts one module deeper the workers find them (``resolve_names``).
         """
-        from bridge.recipes.llama import llama_rules
-        from bridge.recipes.qwen3_moe import _shared_expert_rules, expert_rules
+        from bridge.recipes.qwen3_moe import expert_rules, qwen3_moe_rules
 
-        dense = (*llama_rules(config, fused=True, vocab_pad=vocab_pad), *_shared_expert_rules(True))
-        return cls(dense, tuple(expert_rules(target="vllm", names=names)), bool(config.tie_word_embeddings))
+        experts = tuple(expert_rules(target="vllm", names=names))
+        dense = tuple(r for r in qwen3_moe_rules(config, names=names, vocab_pad=vocab_pad) if r not in experts)
+        return cls(dense, experts, tuple(expert_rules(target="vllm", names=names, ep=True)),
+                   bool(config.tie_word_embeddings))
 
     def to_data(self) -> dict[str, Any]:
         return {"rules": [_rule_to_data(r) for r in self.rules],
-                "expert_rules": [_rule_to_data(r) for r in self.expert_rules], "tie_lm_head": self.tie_lm_head}
+                "expert_rules": [_rule_to_data(r) for r in self.expert_rules],
+                "ep_expert_rules": [_rule_to_data(r) for r in self.ep_expert_rules], "tie_lm_head": self.tie_lm_head}
 
     @classmethod
     def from_data(cls, data: Mapping[str, Any]) -> Recipe:
-        return cls(tuple(_rule_from_data(r) for r in data["rules"]),
-                   tuple(_rule_from_data(r) for r in data["expert_rules"]), bool(data["tie_lm_head"]))
+        return cls(*(tuple(_rule_from_data(r) for r in data[k]) for k in ("rules", "expert_rules", "ep_expert_rules")),
+                   tie_lm_head=bool(data["tie_lm_head"]))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -156,16 +163,19 @@ def build_param_map(source: Source, recipe: Recipe, engine: EngineShape) -> Para
     Raises:
       ValueError: a leaf matches no rule, or a rule does not fit the engine (an uneven split).
     """
-    unmatched = [p for p in source.paths
-                 if not any(re.fullmatch(r.pattern, p) for r in (*recipe.rules, *recipe.expert_rules))]
+    experts = recipe.ep_expert_rules if engine.expert_parallel else recipe.expert_rules
+    if engine.expert_parallel and recipe.expert_rules and not experts:
+        raise ValueError("the engine runs with expert parallelism but the recipe has no ep_expert_rules; give "
+                         "the expert rules split over ranks (expert_rules(..., ep=True)).")
+    unmatched = [p for p in source.paths if not any(re.fullmatch(r.pattern, p) for r in (*recipe.rules, *experts))]
     if unmatched:
         raise ValueError(f"trainer leaves {unmatched[:3]} ({len(unmatched)} in all) match no rule of the "
                          "recipe; add rules for them.")
     groups = [list(g) for g in engine.ranks]
     param_map = tp_param_map(source, recipe.rules, groups, dtype=engine.dtype, strict=False)
-    if recipe.expert_rules:
-        param_map = param_map + tp_param_map(source, recipe.expert_rules, engine.expert_grid(),
-                                             dtype=engine.dtype, strict=False)
+    if experts:
+        param_map = param_map + tp_param_map(source, experts, engine.expert_grid(), dtype=engine.dtype,
+                                             strict=False)
     if recipe.tie_lm_head:
         from bridge.recipes.llama import tie_lm_head
 
