@@ -43,6 +43,6 @@ def test_two_processes_move_data_between_processes_and_change_spec():
     results = [json.loads([ln for ln in out.splitlines() if ln.startswith("{")][-1]) for out, _ in outs]
     for r in results:
         assert r["run0"] and r["run1"], r
-        assert r["cast_buckets"], r
+        assert r["cast_buckets"] and r["xla_packing"], r
         assert r["compiled0"] > 0 and r["compiled1"] == 0, r  # the second sync compiles nothing
         assert r["network_bytes"] > 0

@@ -109,3 +109,11 @@ def test_compiled_packing_shares_programs_between_buckets_of_equal_leaves(caplog
     one, four = compiles(1), compiles(4)
     assert any(line.startswith("Compiling jit(pack)") for line in one), one
     assert len(four) == len(one), four
+
+
+def test_devices_doing_the_same_work_compile_one_pack_and_one_unpack(caplog):
+    """FSDP4 -> TP2 x DP2: the four senders (and the four receivers) pack (unpack) alike, so each
+    program compiles once for all of them, not once per device."""
+    lines = [line for line in _compiles("collective/xla", 8, "bfloat16", caplog) if line.startswith("Compiling")]
+    assert sum("pack" in line and "unpack" not in line for line in lines) == 1, lines
+    assert sum("unpack" in line for line in lines) == 1, lines

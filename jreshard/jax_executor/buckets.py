@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jreshard.core.schedule import ALIGN, Bucket, Message, Piece
 from jreshard.jax_executor import host, programs
+from jreshard.jax_executor.launch import Launch, launches
 from jreshard.jax_executor.shards import Destinations, SourceShards
 
 __all__ = ["Transport", "BucketRunner"]
@@ -37,7 +38,6 @@ class Send:
 
     leaves: tuple[int, ...]  # whose source shards it reads
     messages: tuple[tuple[Message, int], ...]  # with the width of its buffer
-    pack: Callable[..., tuple[jax.Array, ...]] | None  # compiled; None with host packing
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -49,7 +49,6 @@ class Receive:
     messages: tuple[Message, ...]
     local: tuple[Piece, ...]  # copies from its own source shards
     local_leaves: tuple[int, ...]
-    unpack: Callable[..., tuple[jax.Array, ...]] | None  # compiled; None with host packing
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -60,6 +59,8 @@ class BucketProgram:
     widths: tuple[int, ...]  # per round, the widest message (ppermute needs one shape)
     sends: Mapping[int, Send]
     receives: Mapping[int, Receive]
+    packs: tuple[Launch, ...]  # compiled packing only
+    unpacks: tuple[Launch, ...]
     comm: Callable[..., Any] | None  # collective only
 
 
@@ -103,8 +104,12 @@ class Transport:
 
 
 def build_programs(buckets: Sequence[Bucket], dests: Destinations, transport: Transport,
-                   src_dtypes: Sequence[np.dtype]) -> list[BucketProgram]:
-    """This process's part of every bucket, with compiled programs unless it packs on the host."""
+                   src_dtypes: Sequence[np.dtype], src_shape: Callable[[int, int], tuple[int, ...]]
+                   ) -> list[BucketProgram]:
+    """This process's part of every bucket, with compiled programs unless it packs on the host.
+
+    ``src_shape(leaf, device)``: the shape of the device's source shard.
+    """
     position = {d: k for k, d in enumerate(dests.union)}
     last: dict[tuple[int, int], int] = {}  # (leaf, device) -> the last bucket that writes it
     for b, bucket in enumerate(buckets):
@@ -119,17 +124,27 @@ def build_programs(buckets: Sequence[Bucket], dests: Destinations, transport: Tr
         widths = tuple(max(m.nbytes for m in msgs) for msgs in bucket.rounds)
         sent: dict[int, list[tuple[Message, int]]] = defaultdict(list)
         got: dict[int, list[Message]] = defaultdict(list)
-        for msgs, width in zip(bucket.rounds, widths, strict=True):
+        round_of: dict[Message, int] = {}
+        for r, (msgs, width) in enumerate(zip(bucket.rounds, widths, strict=True)):
             for m in msgs:
                 sent[m.src].append((m, width if collective else m.nbytes))
                 got[m.dst].append(m)
-        sends = {}
+                round_of[m] = r
+        # Messages in the order of what they carry, not of rounds: devices that do the same
+        # work then pass the same program arguments, and share one launch.
+        for outgoing in sent.values():
+            outgoing.sort(key=lambda mw: [(p.leaf, p.src_box) for p in mw[0].pieces])
+        for incoming in got.values():
+            incoming.sort(key=lambda m: [(p.leaf, p.dst_box) for p in m.pieces])
+        sends, packs = {}, {}
         for s, outgoing in sent.items():
             if s in transport.local_ids:
                 leaves = tuple(sorted({p.leaf for m, _ in outgoing for p in m.pieces}))
-                pack = programs.pack_program(leaves, outgoing, src_dtypes, dests.dtypes) if compiled else None
-                sends[s] = Send(leaves, tuple(outgoing), pack)
-        receives = {}
+                sends[s] = Send(leaves, tuple(outgoing))
+                shapes = tuple(src_shape(i, s) for i in leaves)
+                packs[s] = (programs.PackArgs.of(leaves, outgoing, src_dtypes, dests.dtypes), shapes,
+                            all(shapes))
+        receives, unpacks = {}, {}
         for d in sorted((set(got) | set(bucket.local)) & transport.local_ids):
             local = bucket.local.get(d, ())
             touched = sorted({p.leaf for m in got[d] for p in m.pieces} | {p.leaf for p in local})
@@ -137,19 +152,22 @@ def build_programs(buckets: Sequence[Bucket], dests: Destinations, transport: Tr
             fresh = tuple(i for i in touched if i not in started[d])
             started[d].update(touched)
             local_leaves = tuple(sorted({p.leaf for p in local}))
-            unpack = None
-            if compiled:
-                finish = frozenset(i for i in touched if last[(i, d)] == b)
-                unpack = programs.unpack_program(carried, fresh, got[d], local, local_leaves,
-                                                 {i: dests.shape(i, d) for i in touched}, src_dtypes, dests.dtypes,
-                                                 finish)
-            receives[d] = Receive(carried, fresh, tuple(got[d]), tuple(local), local_leaves, unpack)
+            receives[d] = Receive(carried, fresh, tuple(got[d]), tuple(local), local_leaves)
+            finish = frozenset(i for i in touched if last[(i, d)] == b)
+            out_shapes = {i: dests.shape(i, d) for i in touched}
+            passed = (tuple(widths[round_of[m]] if collective else m.nbytes for m in got[d]),
+                      tuple(src_shape(i, d) for i in local_leaves))
+            unpacks[d] = (programs.UnpackArgs.of(carried, fresh, got[d], local, local_leaves, out_shapes, src_dtypes,
+                                                 dests.dtypes, finish), passed,
+                          all(out_shapes.values()) and all(passed[1]))
         comm = None
         if collective and bucket.rounds:
             assert transport.mesh is not None
             perms = tuple(tuple((position[m.src], position[m.dst]) for m in msgs) for msgs in bucket.rounds)
             comm = programs.make_comm(transport.mesh, perms)
-        out.append(BucketProgram(bucket.rounds, widths, sends, receives, comm))
+        out.append(BucketProgram(bucket.rounds, widths, sends, receives,
+                                 launches(packs, transport.devices) if compiled else (),
+                                 launches(unpacks, transport.devices) if compiled else (), comm))
     return out
 
 
@@ -170,20 +188,24 @@ class BucketRunner:
         for prog in self.progs:
             jax.block_until_ready([results[k] for k in last])  # bounds staging memory
             packed: dict[tuple[int, int], jax.Array] = {}
-            for s, send in prog.sends.items():
-                assert send.pack is not None
-                outs = send.pack(*(shards.get(i, s) for i in send.leaves))
-                packed.update(((m.src, m.dst), o) for (m, _), o in zip(send.messages, outs, strict=True))
+            for launch in prog.packs:
+                sends = [prog.sends[s] for s in launch.devices]
+                outs = launch([tuple(shards.get(i, s) for i in send.leaves)
+                               for s, send in zip(launch.devices, sends, strict=True)])
+                for send, out in zip(sends, outs, strict=True):
+                    packed.update(((m.src, m.dst), o) for (m, _), o in zip(send.messages, out, strict=True))
             received, _ = self.transport.send(prog, packed)
             last = []
-            for d, r in prog.receives.items():
-                assert r.unpack is not None
-                outs = r.unpack(tuple(results.pop((i, d)) for i in r.carried),
+            for launch in prog.unpacks:
+                receives = [prog.receives[d] for d in launch.devices]
+                outs = launch([(tuple(results.pop((i, d)) for i in r.carried),
                                 tuple(received[(m.src, m.dst)] for m in r.messages),
                                 tuple(shards.get(i, d) for i in r.local_leaves))
-                for i, o in zip(r.carried + r.fresh, outs, strict=True):
-                    results[(i, d)] = o
-                    last.append((i, d))
+                               for d, r in zip(launch.devices, receives, strict=True)])
+                for d, r, out in zip(launch.devices, receives, outs, strict=True):
+                    for i, o in zip(r.carried + r.fresh, out, strict=True):
+                        results[(i, d)] = o
+                        last.append((i, d))
         return results
 
     def _on_host(self, shards: SourceShards) -> Results:

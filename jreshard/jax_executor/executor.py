@@ -118,8 +118,10 @@ class Executor:
             if spec.transport == "collective" and any(b.rounds for b in self.buckets):
                 mesh = jax.sharding.Mesh(np.array([devices[d] for d in dests.union], dtype=object), (programs.AXIS,))
             transport = Transport(spec.transport, devices, dests.local_ids, mesh, spec.host_packing)
-            self._run = BucketRunner(build_programs(self.buckets, dests, transport, spec.src_dtypes), dests,
-                                     transport)
+            src_shards = [layout.shards() for layout in spec.src]
+            progs = build_programs(self.buckets, dests, transport, spec.src_dtypes,
+                                   lambda i, d: src_shards[i][d].shape)
+            self._run = BucketRunner(progs, dests, transport)
 
     def __call__(self, values: Sequence[jax.Array], donate: bool) -> list[jax.Array]:
         """One sync: the outputs in leaf order; deletes the sources that are not kept when ``donate``."""

@@ -19,7 +19,7 @@ import functools
 import math
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,8 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from jreshard.core.schedule import Message, Piece
 
-__all__ = ["pack_program", "unpack_program", "make_pack", "make_unpack", "make_comm", "assemble", "UINT",
-           "PROGRAM_CACHE_SIZE"]
+__all__ = ["PackArgs", "UnpackArgs", "program", "make_comm", "assemble", "UINT", "PROGRAM_CACHE_SIZE"]
 
 UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 AXIS = "x"  # the one axis of the mesh of every device of a transfer
@@ -114,45 +113,89 @@ def _slots(leaves: Sequence[int]) -> dict[int, int]:
     return {leaf: k for k, leaf in enumerate(leaves)}
 
 
-def _relabel(p: Piece, slot: Mapping[int, int]) -> Piece:
-    """``p`` with its leaf as a slot of the program's arguments and no devices: what a program depends on."""
-    return dataclasses.replace(p, leaf=slot[p.leaf], src=0, dst=0)
+def _relabel(p: Piece, slot: Mapping[int, int], side: str = "") -> Piece:
+    """``p`` as a program sees it: its leaf as an argument slot, no devices, and with ``side``
+    ("src" or "dst") the only box the program reads (the other made equal to it)."""
+    p = dataclasses.replace(p, leaf=slot[p.leaf], src=0, dst=0)
+    if side == "src":
+        return dataclasses.replace(p, dst_box=p.src_box)
+    if side == "dst":
+        return dataclasses.replace(p, src_box=p.dst_box)
+    return p
 
 
-def _relabel_message(m: Message, slot: Mapping[int, int]) -> Message:
-    return Message(0, 0, tuple(_relabel(p, slot) for p in m.pieces), m.offsets, m.nbytes)
+def _relabel_message(m: Message, slot: Mapping[int, int], side: str) -> Message:
+    return Message(0, 0, tuple(_relabel(p, slot, side) for p in m.pieces), m.offsets, m.nbytes)
 
 
-def pack_program(leaves: tuple[int, ...], messages: Sequence[tuple[Message, int]], src_dtypes: Sequence[np.dtype],
-                 dtypes: Sequence[np.dtype]) -> Callable[..., tuple[jax.Array, ...]]:
-    """``make_pack``, shared by every sender and bucket that slices and casts the same way.
+class PackArgs(NamedTuple):
+    """What a pack program does, with leaves as argument slots and no devices (equal for equal work)."""
 
-    Leaves become argument slots and devices are dropped, so a bucket that moves
-    other leaves of the same shapes in the same way reuses the jitted program,
-    which jax keeps compiled per device and input shapes.
-    """
-    slot = _slots(leaves)
-    return make_pack(tuple(range(len(leaves))), tuple((_relabel_message(m, slot), w) for m, w in messages),
-                     tuple(src_dtypes[i] for i in leaves), tuple(dtypes[i] for i in leaves))
+    leaves: tuple[int, ...]
+    messages: tuple[tuple[Message, int], ...]  # with the width of its buffer
+    src_dtypes: tuple[np.dtype, ...]
+    dtypes: tuple[np.dtype, ...]
+
+    @classmethod
+    def of(cls, leaves: tuple[int, ...], messages: Sequence[tuple[Message, int]], src_dtypes: Sequence[np.dtype],
+           dtypes: Sequence[np.dtype]) -> PackArgs:
+        slot = _slots(leaves)
+        return cls(tuple(range(len(leaves))), tuple((_relabel_message(m, slot, "src"), w) for m, w in messages),
+                   tuple(src_dtypes[i] for i in leaves), tuple(dtypes[i] for i in leaves))
 
 
-def unpack_program(carried: tuple[int, ...], fresh: tuple[int, ...], messages: Sequence[Message],
-                   local: Sequence[Piece], local_leaves: tuple[int, ...], shapes: Mapping[int, tuple[int, ...]],
-                   src_dtypes: Sequence[np.dtype], dtypes: Sequence[np.dtype],
-                   finish: frozenset[int]) -> Callable[..., tuple[jax.Array, ...]]:
-    """``make_unpack``, shared by every receiver and bucket that writes the same way (see ``pack_program``)."""
-    leaves = sorted({*carried, *fresh, *local_leaves})
-    slot = _slots(leaves)
-    return make_unpack(tuple(slot[i] for i in carried), tuple(slot[i] for i in fresh),
-                       tuple(_relabel_message(m, slot) for m in messages), tuple(_relabel(p, slot) for p in local),
-                       tuple(slot[i] for i in local_leaves), tuple(shapes.get(i, ()) for i in leaves),
-                       tuple(src_dtypes[i] for i in leaves), tuple(dtypes[i] for i in leaves),
-                       frozenset(slot[i] for i in finish))
+class UnpackArgs(NamedTuple):
+    """What an unpack program does, with leaves as argument slots and no devices (see ``PackArgs``)."""
+
+    carried: tuple[int, ...]
+    fresh: tuple[int, ...]
+    messages: tuple[Message, ...]
+    local: tuple[Piece, ...]
+    local_leaves: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]  # destination shard shapes
+    src_dtypes: tuple[np.dtype, ...]
+    dtypes: tuple[np.dtype, ...]
+    finish: frozenset[int]
+
+    @classmethod
+    def of(cls, carried: tuple[int, ...], fresh: tuple[int, ...], messages: Sequence[Message],
+           local: Sequence[Piece], local_leaves: tuple[int, ...], shapes: Mapping[int, tuple[int, ...]],
+           src_dtypes: Sequence[np.dtype], dtypes: Sequence[np.dtype], finish: frozenset[int]) -> UnpackArgs:
+        leaves = sorted({*carried, *fresh, *local_leaves})
+        slot = _slots(leaves)
+        return cls(tuple(slot[i] for i in carried), tuple(slot[i] for i in fresh),
+                   tuple(_relabel_message(m, slot, "dst") for m in messages), tuple(_relabel(p, slot) for p in local),
+                   tuple(slot[i] for i in local_leaves), tuple(shapes.get(i, ()) for i in leaves),
+                   tuple(src_dtypes[i] for i in leaves), tuple(dtypes[i] for i in leaves),
+                   frozenset(slot[i] for i in finish))
 
 
 @functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)
-def make_pack(leaves: tuple[int, ...], messages: Sequence[tuple[Message, int]], src_dtypes: Sequence[np.dtype],
-              dtypes: Sequence[np.dtype]) -> Callable[..., tuple[jax.Array, ...]]:
+def program(args: PackArgs | UnpackArgs, mesh: jax.sharding.Mesh | None) -> Callable[..., tuple[jax.Array, ...]]:
+    """The jitted pack or unpack program for ``args``, shared by every sender or receiver and bucket that does it.
+
+    With ``mesh`` (a 1-D mesh of several devices that run the same program), one
+    ``shard_map`` over them: each argument and result is the devices' arrays
+    stacked along dim 0, so the program compiles once for all of them instead of
+    once per device.
+    """
+    if isinstance(args, PackArgs):
+        fn = _pack(*args)
+        ins: Any = (P(AXIS),) * len(args.leaves)
+        outs: Any = (P(AXIS),) * len(args.messages)
+        donate: tuple[int, ...] = ()
+    else:
+        fn = _unpack(*args)
+        ins = tuple((P(AXIS),) * n for n in (len(args.carried), len(args.messages), len(args.local_leaves)))
+        outs = (P(AXIS),) * (len(args.carried) + len(args.fresh))
+        donate = (0,) if args.carried else ()
+    if mesh is not None:
+        fn = jax.shard_map(fn, mesh=mesh, in_specs=ins, out_specs=outs)
+    return jax.jit(fn, donate_argnums=donate)
+
+
+def _pack(leaves: tuple[int, ...], messages: Sequence[tuple[Message, int]], src_dtypes: Sequence[np.dtype],
+          dtypes: Sequence[np.dtype]) -> Callable[..., tuple[jax.Array, ...]]:
     """One sender's messages in one bucket: its source shards of ``leaves`` in, one uint8 buffer per message out.
 
     Each message is padded with zeros to its width (the collective needs one width
@@ -174,14 +217,13 @@ def make_pack(leaves: tuple[int, ...], messages: Sequence[tuple[Message, int]], 
             out.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts))
         return tuple(out)
 
-    return jax.jit(pack)
+    return pack
 
 
-@functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)
-def make_unpack(carried: tuple[int, ...], fresh: tuple[int, ...], messages: Sequence[Message],
-                local: Sequence[Piece], local_leaves: tuple[int, ...], shapes: Sequence[tuple[int, ...]],
-                src_dtypes: Sequence[np.dtype], dtypes: Sequence[np.dtype],
-                finish: frozenset[int]) -> Callable[..., tuple[jax.Array, ...]]:
+def _unpack(carried: tuple[int, ...], fresh: tuple[int, ...], messages: Sequence[Message],
+            local: Sequence[Piece], local_leaves: tuple[int, ...], shapes: Sequence[tuple[int, ...]],
+            src_dtypes: Sequence[np.dtype], dtypes: Sequence[np.dtype],
+            finish: frozenset[int]) -> Callable[..., tuple[jax.Array, ...]]:
     """One receiver's writes in one bucket: ``(carried shards, received buffers, own source shards)`` in.
 
     Returns the destination shards of ``carried + fresh``: those in ``finish`` in
@@ -210,7 +252,7 @@ def make_unpack(carried: tuple[int, ...], fresh: tuple[int, ...], messages: Sequ
             out.append(_from_uint(a, dtypes[leaf]) if leaf in finish else a)
         return tuple(out)
 
-    return jax.jit(unpack, donate_argnums=(0,) if carried else ())
+    return unpack
 
 
 @functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)

@@ -4,7 +4,8 @@ Usage: transfer_worker.py RANK PORT. Process 0 holds the source (FSDP over its t
 devices), process 1 the destination (TP over its two devices) for one tensor, and a
 second tensor goes the other way with a spec change; a replicated leaf goes from
 both to both. Each process checks the shards it holds against ``host[shard.index]``
-bit for bit, checks that a repeated sync compiles nothing, and prints one JSON line.
+bit for bit (also with a cast, in buckets, and with compiled packing), checks that a
+repeated sync compiles nothing, and prints one JSON line.
 """
 
 from __future__ import annotations
@@ -79,13 +80,24 @@ def main() -> None:
                 want = full[name][shard.index]
                 ok &= np.array_equal(np.asarray(shard.data).view(np.uint8), np.ascontiguousarray(want).view(np.uint8))
         results[f"run{attempt}"] = bool(ok)
-    cast = jreshard.transfer(params, dst, dtype=jnp.bfloat16, max_bytes_in_flight=64)
-    ok = True
-    for name, arr in cast.items():
-        for shard in arr.addressable_shards:
-            want = np.asarray(full[name][shard.index]).astype(np.float32).astype(jnp.bfloat16)
-            ok &= np.array_equal(np.asarray(shard.data).view(np.uint16), np.ascontiguousarray(want).view(np.uint16))
-    results["cast_buckets"] = bool(ok)
+
+    def cast_is_exact(out):
+        """Every shard of ``out`` is ``full[shard.index]`` cast to bfloat16, bit for bit."""
+        ok = True
+        for name, arr in out.items():
+            for shard in arr.addressable_shards:
+                want = np.asarray(full[name][shard.index]).astype(np.float32).astype(jnp.bfloat16)
+                ok &= np.array_equal(np.asarray(shard.data).view(np.uint16),
+                                     np.ascontiguousarray(want).view(np.uint16))
+        return bool(ok)
+
+    results["cast_buckets"] = cast_is_exact(jreshard.transfer(params, dst, dtype=jnp.bfloat16, max_bytes_in_flight=64))
+    # Packing with compiled programs (what accelerators use), where devices of one process that do
+    # the same work share one launch over a mesh of them.
+    from jreshard.jax_executor import transfer as _transfer
+
+    _transfer._HOST_PACKING_BACKENDS = frozenset()
+    results["xla_packing"] = cast_is_exact(jreshard.transfer(params, dst, dtype=jnp.bfloat16))
     results["network_bytes"] = plan.stats().network_bytes
     print(json.dumps({"rank": rank, **results}), flush=True)
     jax.distributed.shutdown()
