@@ -63,7 +63,7 @@ class ShardCopy:
 class MemcpyRunner:
     """Copies every piece straight between the devices' host buffers (CPU, one process)."""
 
-    def __init__(self, spec: Spec, dests: Destinations, devices: dict[int, Any]) -> None:
+    def __init__(self, spec: Spec, dests: Destinations) -> None:
         by_shard: dict[tuple[int, int], list[Piece]] = defaultdict(list)
         for p in pieces(spec.tplans, itemsizes=[dt.itemsize for dt in spec.dtypes],
                         skip_leaves=dests.passthrough, skip_shards=dests.reuse):
@@ -71,12 +71,12 @@ class MemcpyRunner:
         # Largest first, so that the copy threads finish together.
         self.copies = sorted((ShardCopy(i, d, tuple(ps)) for (i, d), ps in by_shard.items()),
                              key=lambda c: -dests.boxes[c.leaf][c.device].size * dests.dtypes[c.leaf].itemsize)
+        self.sources = tuple(dict.fromkeys((c.leaf, p.src) for c in self.copies for p in c.pieces))
         self.dests = dests
-        self.devices = devices
 
     def __call__(self, shards: SourceShards) -> Results:
         dests = self.dests
-        views = shards.host_views([(c.leaf, p.src) for c in self.copies for p in c.pieces])
+        views = shards.host_views(self.sources)
         host.OUTPUTS.reserve(dests.output_bytes)
 
         def fill(c: ShardCopy) -> np.ndarray:
@@ -112,7 +112,7 @@ class Executor:
             skip_leaves=dests.passthrough, skip_shards=dests.reuse)
         self._run: Callable[[SourceShards], Results]
         if spec.transport == "memcpy":
-            self._run = MemcpyRunner(spec, dests, devices)
+            self._run = MemcpyRunner(spec, dests)
         else:
             mesh = None
             if spec.transport == "collective" and any(b.rounds for b in self.buckets):

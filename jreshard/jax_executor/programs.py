@@ -5,7 +5,9 @@ every piece it sends to each receiver, across all leaves, into one contiguous
 ``uint8`` buffer per message; the buffers travel by one ``jax.lax.ppermute`` per
 round inside one ``jax.shard_map`` (``comm``), or by ``jax.device_put``; each
 receiver runs one *unpack* program that writes the pieces (and its local copies)
-into its destination shards.
+into its destination shards. Programs are keyed by what they do, not by leaf or
+device, so equal work shares one (``launch.py`` runs it once for all the devices
+of a process that do it).
 
 Data moves as unsigned integers of the element's width: XLA may compute float ops
 on some element types in a wider type (bfloat16 on CPU), which would canonicalise
