@@ -1,6 +1,6 @@
 """Benchmark of jreshard.transfer against the ways a weight sync is done without it.
 
-Run: ``.venv/bin/python benchmarks/transfer_bench.py`` (about 3-5 minutes on 2 cores);
+Run: ``.venv/bin/python benchmarks/transfer_bench.py`` (about 5-7 minutes on 2 cores);
 ``--cases d`` runs case (d) alone.
 
 All methods run side by side in one run on 8 simulated CPU devices, several
