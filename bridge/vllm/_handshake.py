@@ -103,8 +103,10 @@ class Recipe:
 
     @classmethod
     def from_data(cls, data: Mapping[str, Any]) -> Recipe:
-        return cls(*(tuple(_rule_from_data(r) for r in data[k]) for k in ("rules", "expert_rules", "ep_expert_rules")),
-                   tie_lm_head=bool(data["tie_lm_head"]))
+        def rules(key: str) -> tuple[Rule, ...]:
+            return tuple(_rule_from_data(r) for r in data[key])
+
+        return cls(rules("rules"), rules("expert_rules"), rules("ep_expert_rules"), bool(data["tie_lm_head"]))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -27,7 +28,8 @@ __all__ = ["live_targets", "write_layers", "torch_dtype_name"]
 log = logging.getLogger("bridge")
 
 
-def torch_dtype_name(dtype: torch.dtype) -> str:
+def torch_dtype_name(dtype: Any) -> str:
+    """``'float32'`` for ``torch.float32`` (and for a dtype already given by name)."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -91,7 +93,7 @@ def _reprocess(module: torch.nn.Module, values: Mapping[str, torch.Tensor]) -> N
             t.data.copy_(kernel_buffers[name])
     if hasattr(module, "_already_called_process_weights_after_loading"):
         delattr(module, "_already_called_process_weights_after_loading")
-    method = module.quant_method
+    method: Any = module.quant_method
     on_cpu = any(t.device.type == "cpu" for t in params.values())
     if on_cpu and getattr(method, "moe_kernel", None) is not None:
         # vLLM 0.32 treats a second processing as a weight update and skips the CPU experts' prepack
@@ -99,8 +101,9 @@ def _reprocess(module: torch.nn.Module, values: Mapping[str, torch.Tensor]) -> N
         # packed ones. Without a kernel the first-load path runs: a new kernel, the weights prepacked.
         method.moe_kernel = None
     method.process_weights_after_loading(module)
-    if hasattr(module, "update_param_tp_status"):
-        module.update_param_tp_status()
+    update_tp_status = getattr(module, "update_param_tp_status", None)
+    if callable(update_tp_status):  # parameters re-created by processing get their TP state again
+        update_tp_status()
     new_params, new_buffers = get_layer_params_buffers(module)
     same = (set(new_params) == set(kernel_params) and set(new_buffers) <= set(kernel_buffers)
             and all(kernel_params[n].shape == t.shape and kernel_params[n].dtype == t.dtype
