@@ -208,7 +208,7 @@ def live(args: argparse.Namespace) -> None:
         pg = open_group("127.0.0.1", port, 0, 3, timeout=300.0, name="baseline")
         full = {k: np.asarray(jax.device_get(x)) for k, x in flat.items()}  # the gather: every full tensor
         for a in hf_names(full, cfg.num_hidden_layers).values():
-            dist.broadcast(torch.from_numpy(np.ascontiguousarray(a)), src=0, group=pg)
+            dist.broadcast(torch.from_numpy(np.require(a, requirements=["C", "W"])), src=0, group=pg)
         worker_call.join()
         base_times.append(time.perf_counter() - t0)
         close_group(pg)
