@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): requirements.lock pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --disable-pip-version-check -q -r requirements.lock
+	$(PY) -m pip install --disable-pip-version-check -q --no-deps -r requirements.lock
 	$(PY) -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
 
