@@ -21,6 +21,7 @@ def check_int(name: str, value: Any, *, minimum: int = 0, maximum: int = INT64_M
 
     Example:
       >>> import numpy as np
+      >>> from bridge._args import check_int
       >>> check_int("rank", np.int32(3))
       3
       >>> check_int("rank", -1)
@@ -42,6 +43,7 @@ def check_seconds(name: str, value: Any) -> float:
     """``value`` as a positive, finite number of seconds.
 
     Example:
+      >>> from bridge._args import check_seconds
       >>> check_seconds("timeout", float("nan"))
       Traceback (most recent call last):
       ...
