@@ -94,18 +94,32 @@ class Mlp(nn.Module):
         return dense(self.config.hidden_size, "down_proj")(nn.silu(gate) * up)
 
 
+def _mlp(config: LlamaConfig, layer: int) -> nn.Module:
+    """Layer ``layer``'s MLP: the routed experts of a sparse ``MoeConfig`` layer, else the dense MLP."""
+    if isinstance(config, MoeConfig) and config.is_sparse(layer):
+        from jreshard.nn.moe import MoeLayer  # moe.py builds on this module's parts
+
+        return MoeLayer(config, name="mlp")
+    return Mlp(config, config.intermediate_size, name="mlp")
+
+
 class Block(nn.Module):
     config: LlamaConfig
+    layer: int
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         c = self.config
         x = x + Attention(c, name="attn")(RMSNorm(c.rms_norm_eps, name="input_norm")(x), positions)
-        return x + Mlp(c, c.intermediate_size, name="mlp")(RMSNorm(c.rms_norm_eps, name="post_attention_norm")(x))
+        return x + _mlp(c, self.layer)(RMSNorm(c.rms_norm_eps, name="post_attention_norm")(x))
 
 
 class Llama(nn.Module):
-    """The decoder: token ids ``[batch, seq]`` in, logits ``[batch, seq, vocab]`` out."""
+    """The decoder: token ids ``[batch, seq]`` in, logits ``[batch, seq, vocab]`` out.
+
+    With a ``MoeConfig`` (a subclass of ``LlamaConfig``) it is the Qwen3-MoE decoder of
+    ``jreshard.nn.moe``: each sparse layer's MLP is a ``MoeLayer``.
+    """
 
     config: LlamaConfig
 
@@ -116,7 +130,7 @@ class Llama(nn.Module):
         x = embed(tokens)
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         for i in range(c.num_hidden_layers):
-            x = Block(c, name=f"layers_{i}")(x, positions)
+            x = Block(c, i, name=f"layers_{i}")(x, positions)
         x = RMSNorm(c.rms_norm_eps, name="final_norm")(x)
         if c.tie_word_embeddings:
             return embed.attend(x)
@@ -124,11 +138,7 @@ class Llama(nn.Module):
 
 
 def model(config: LlamaConfig) -> nn.Module:
-    """The flax module for ``config``: ``Llama``, or ``jreshard.nn.moe.Moe`` for a ``MoeConfig``."""
-    if isinstance(config, MoeConfig):
-        from jreshard.nn.moe import Moe
-
-        return Moe(config)
+    """The flax module for ``config`` (a ``LlamaConfig``, or a ``MoeConfig`` whose sparse layers route)."""
     if not isinstance(config, LlamaConfig):
         raise TypeError(f"config must be a jreshard.nn.LlamaConfig or MoeConfig, got {type(config).__name__}.")
     return Llama(config)

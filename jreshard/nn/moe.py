@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from jreshard.nn.config import MoeConfig
-from jreshard.nn.llama import Attention, Mlp, RMSNorm, dense
+from jreshard.nn.llama import Llama, Mlp, dense
 
 __all__ = ["Moe", "MoeLayer", "route"]
 
@@ -93,32 +93,5 @@ class MoeLayer(nn.Module):
         return out
 
 
-class MoeBlock(nn.Module):
-    config: MoeConfig
-    layer: int
-
-    @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        c = self.config
-        x = x + Attention(c, name="attn")(RMSNorm(c.rms_norm_eps, name="input_norm")(x), positions)
-        mlp = MoeLayer(c, name="mlp") if c.is_sparse(self.layer) else Mlp(c, c.intermediate_size, name="mlp")
-        return x + mlp(RMSNorm(c.rms_norm_eps, name="post_attention_norm")(x))
-
-
-class Moe(nn.Module):
-    """The decoder: token ids ``[batch, seq]`` in, logits ``[batch, seq, vocab]`` out."""
-
-    config: MoeConfig
-
-    @nn.compact
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        c = self.config
-        embed = nn.Embed(c.vocab_size, c.hidden_size, embedding_init=nn.initializers.normal(0.02), name="embed")
-        x = embed(tokens)
-        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        for i in range(c.num_hidden_layers):
-            x = MoeBlock(c, i, name=f"layers_{i}")(x, positions)
-        x = RMSNorm(c.rms_norm_eps, name="final_norm")(x)
-        if c.tie_word_embeddings:
-            return embed.attend(x)
-        return dense(c.vocab_size, "lm_head")(x)
+# One decoder serves both configs: ``Llama``'s blocks pick ``MoeLayer`` for sparse layers.
+Moe = Llama
