@@ -157,10 +157,27 @@ def check_plan_and_rank(plan: BridgePlan, rank: int | None) -> int:
 
 
 def _group_ranks(group: dist.ProcessGroup | None) -> list[int]:
+    """The ranks of ``group`` in its own order, as the plan names them.
+
+    A group given explicitly needs no default group: a process may hold only the sync's
+    own group (a JAX trainer), or a default group of its own that the sync must not use
+    (a vLLM worker). Its ranks are those torch.distributed registered for it: global ranks
+    for a group from ``new_group``, ``0 .. size-1`` for one registered with an identity map
+    (``bridge.vllm._group.open_group``). Point-to-point calls translate peers through the
+    same registry, so an unregistered group is refused here, before any rank waits.
+    """
+    if group is not None and group is not dist.group.WORLD:
+        try:
+            return dist.get_process_group_ranks(group)
+        except KeyError:
+            raise ValueError(
+                f"group {group!r} is not registered with torch.distributed, so its peers cannot be named; "
+                "create it with torch.distributed.new_group(...) or bridge.vllm._group.open_group(...)."
+            ) from None
     if not dist.is_initialized():
-        raise SyncError("torch.distributed is not initialised; call bridge.init_group(...) or "
-                        "torch.distributed.init_process_group(...) first.")
-    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+        raise SyncError("torch.distributed is not initialised and no group was given; pass group= "
+                        "or call bridge.init_group(...) or torch.distributed.init_process_group(...) first.")
+    return dist.get_process_group_ranks(dist.group.WORLD)
 
 
 def _header(role: int, status: int, version: int, fingerprint: bytes) -> torch.Tensor:
