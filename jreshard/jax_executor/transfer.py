@@ -56,7 +56,7 @@ _HOST_PACKING_BACKENDS = frozenset({"cpu"})
 
 def transfer(params: Any, target: Any, *, plan: Plan | TensorPlan | None = None, dtype: Any = None,
              donate: bool = False, max_bytes_in_flight: int = DEFAULT_MAX_BYTES_IN_FLIGHT,
-             mesh: Any = None, transport: str = "auto") -> Any:
+             mesh: Any = None, transport: str = "auto", block: Any = None) -> Any:
     """Moves a pytree of sharded jax Arrays onto another sharding, sending only what each device lacks.
 
     Call it outside ``jax.jit``, on concrete arrays.
@@ -81,10 +81,15 @@ def transfer(params: Any, target: Any, *, plan: Plan | TensorPlan | None = None,
         copied between the devices' host buffers), or ``"auto"``: the fastest measured
         for the backend when one process addresses every device (``"memcpy"`` on
         CPU), else ``"collective"``.
+      block: with an FP8 ``dtype``, block-scaled FP8 quantized at the source: a block shape
+        such as ``(128, 128)``, ``(None, None)`` (per tensor), ``(1, None)`` (per channel),
+        or an ``Fp8Format``; then the call returns ``(weights, scales)``
+        (``jreshard.jax_executor.fp8.transfer``; docs/fp8.md).
 
     Returns:
       The pytree of ``params``' structure, each leaf a ``jax.Array`` with exactly its
-      target sharding, bit-identical to the input (or cast to ``dtype``).
+      target sharding, bit-identical to the input (or cast to ``dtype``). With ``block``,
+      the pair ``(weights, scales)`` described in ``jreshard.jax_executor.fp8.transfer``.
 
     Raises:
       TypeError: a leaf is not a jax Array (a tracer: called inside ``jit``), or an
@@ -104,6 +109,11 @@ def transfer(params: Any, target: Any, *, plan: Plan | TensorPlan | None = None,
       >>> out["w"].sharding == NamedSharding(serve, P(None, "tp")), np.array_equal(out["w"], w)
       (True, True)
     """
+    if block is not None:
+        from jreshard.jax_executor import fp8  # imports this module
+
+        return fp8.transfer(params, target, block=block, plan=plan, dtype=dtype, donate=donate,
+                            max_bytes_in_flight=max_bytes_in_flight, mesh=mesh, transport=transport)
     cap = _check_options(donate, transport, max_bytes_in_flight)
     leaves = parse(params, target, mesh=mesh, dtype=dtype, need_data=True)
     if cap < max(dt.itemsize for dt in leaves.dtypes):
