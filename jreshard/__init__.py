@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from jreshard.core import planner as _planner, reference
+from jreshard.core.domains import Domains
 from jreshard.core.layout import Box, Layout
 from jreshard.core.mesh import Mesh
 from jreshard.core.planner import (
@@ -28,6 +29,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Box",
+    "Domains",
     "Layout",
     "Mesh",
     "Move",

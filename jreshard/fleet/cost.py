@@ -3,8 +3,8 @@
 The model (see ``docs/cost_model.md``):
 
 - Topology (``jreshard.fleet.hardware``): devices ``d`` sit in NVLink domains
-  ``d // gpus_per_domain``; each GPU has one network NIC (``network_GBps`` per
-  direction) and NVLink (``nvlink_GBps`` per direction). A move between two
+  ``d // gpus_per_domain`` (or any ``Domains`` the topology is given); each GPU
+  has one network NIC (``network_GBps`` per direction) and NVLink (``nvlink_GBps`` per direction). A move between two
   devices of one domain uses NVLink, any other move the network. Local copies are
   free.
 - Alpha-beta per device (``jreshard.fleet.traffic``): every device has four
@@ -22,7 +22,8 @@ Deliveries and baselines: *direct* delivery is the core plan (``jreshard.plan``)
 *hierarchical* delivery (``jreshard.fleet.hierarchical``) crosses the network once
 per NVLink domain and fans out over NVLink; the baselines
 (``jreshard.fleet.baselines``) are gather-then-broadcast and flat direct sends.
-``compare`` predicts them all and keeps the faster of jreshard's two deliveries.
+``compare`` predicts them all and keeps the faster of jreshard's two deliveries
+(``decide``, the same choice ``jreshard.transfer(hierarchical="auto")`` makes).
 Every name of those modules is reachable from this one.
 
 Example:
@@ -43,13 +44,15 @@ import dataclasses
 from collections.abc import Callable, Mapping
 
 from jreshard.core.layout import Layout
-from jreshard.core.planner import Plan, plan
+from jreshard.core.planner import Plan
 from jreshard.fleet.baselines import flat_direct, gather_broadcast
 from jreshard.fleet.fp8 import Fp8Costs
 from jreshard.fleet.hardware import Hardware, Topology, hardware_names, load_hardware
 from jreshard.fleet.hierarchical import (
+    Decision,
     StagePart,
     TwoStagePlan,
+    decide,
     has_domain_replicas,
     hierarchical_plan,
     predict_two_stage,
@@ -67,7 +70,7 @@ from jreshard.fleet.traffic import (
 __all__ = ["Hardware", "Topology", "Traffic", "Prediction", "TwoStagePlan", "Comparison", "load_hardware",
            "hardware_names", "predict", "sender_load_bound", "predict_plan", "predict_two_stage", "plan_traffic",
            "hierarchical_plan", "gather_broadcast", "flat_direct", "compare", "StagePart",
-           "has_domain_replicas"]
+           "has_domain_replicas", "decide", "Decision"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -119,22 +122,10 @@ def compare(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology
       >>> c.delivery, c.hierarchical.network_bytes, c.direct.network_bytes  # once per domain, not per replica
       ('hierarchical', 2097152, 4194304)
     """
-    if hierarchical not in ("auto", "always", "never"):
-        raise ValueError(f"hierarchical must be 'auto', 'always' or 'never', got {hierarchical!r}.")
     check_pair(src, dst)
     first = predict(fp8.exchange, topo) if fp8 is not None and len(fp8.exchange.msg_out) else None
-
-    def after_exchange(p: Prediction) -> Prediction:
-        return p if first is None else first + p
-
-    direct = after_exchange(predict_plan(jreshard_plan if jreshard_plan is not None else plan(dict(src), dict(dst)),
-                                         topo))
-    hier = None
-    if hierarchical != "never" and has_domain_replicas(dst, topo):
-        hier = after_exchange(predict_two_stage(hierarchical_plan(src, dst, topo, progress=progress), topo))
-    if hier is not None and (hierarchical == "always" or hier.seconds < direct.seconds):
-        chosen, delivery = hier, "hierarchical"
-    else:
-        chosen, delivery = direct, "direct"
+    d = decide(src, dst, topo, hierarchical, direct_plan=jreshard_plan, progress=progress, first=first)
+    chosen = d.hierarchical if d.delivery == "hierarchical" and d.hierarchical is not None else d.direct
     baseline = gather_broadcast(src, dst, topo, riders=fp8.scales if fp8 else None)
-    return Comparison(chosen, delivery, direct, hier, baseline, after_exchange(flat_direct(src, dst, topo)))
+    flat = flat_direct(src, dst, topo)
+    return Comparison(chosen, d.delivery, d.direct, d.hierarchical, baseline, flat if first is None else first + flat)

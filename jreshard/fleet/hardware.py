@@ -3,13 +3,18 @@
 A hardware file (``jreshard/data/hardware/*.json``) gives the NVLink domain size,
 the NVLink and network bandwidths per GPU per direction and the latency of one
 message; ``Topology`` adds the bucket size and places device ``d`` in domain
-``d // gpus_per_domain``. See ``docs/cost_model.md``.
+``d // gpus_per_domain``, or in the domains it is given (``device_domains``, a
+``jreshard.core.domains.Domains``: the devices of each JAX process, ranks grouped
+by node). See ``docs/cost_model.md``.
 
 Example:
   >>> from jreshard.fleet.hardware import Topology
   >>> topo = Topology.from_hardware("dgx-h100")
-  >>> topo.gpus_per_domain, topo.domain([0, 7, 8]).tolist()
-  (8, [0, 0, 1])
+  >>> topo.gpus_per_domain, topo.domain([0, 7, 8]).tolist(), topo.domains
+  (8, [0, 0, 1], Domains.contiguous(8))
+  >>> from jreshard.core.domains import Domains
+  >>> topo.with_domains(Domains.from_groups([[0, 8], [7]])).domain([0, 7, 8]).tolist()
+  [0, 1, 0]
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from collections.abc import Mapping
 from importlib import resources
 from typing import Any
 
-import numpy as np
+from jreshard.core.domains import Domains
 
 __all__ = ["Hardware", "Topology", "load_hardware", "hardware_names"]
 
@@ -92,6 +97,7 @@ class Topology:
     network_GBps: float
     latency_us: float
     bucket_bytes: int = 256 << 20
+    device_domains: Domains | None = None  # None: blocks of gpus_per_domain consecutive ids
 
     def __post_init__(self) -> None:
         gpd = self.gpus_per_domain
@@ -102,12 +108,24 @@ class Topology:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}.")
         if self.latency_us < 0 or self.bucket_bytes < 1:
             raise ValueError("latency_us must be >= 0 and bucket_bytes >= 1.")
+        if self.device_domains is not None and not isinstance(self.device_domains, Domains):
+            raise TypeError(f"device_domains must be a jreshard.core.domains.Domains or None, got "
+                            f"{type(self.device_domains).__name__}; build one with Domains.from_groups(groups).")
 
     @classmethod
     def from_hardware(cls, hw: Hardware | str | Mapping, gpus_per_domain: int | None = None) -> Topology:
         hw = load_hardware(hw)
         return cls(gpus_per_domain or hw.gpus_per_domain, hw.nvlink_GBps, hw.network_GBps, hw.latency_us)
 
+    @property
+    def domains(self) -> Domains:
+        """Which devices share NVLink: ``device_domains``, else blocks of ``gpus_per_domain``."""
+        return self.device_domains if self.device_domains is not None else Domains.contiguous(self.gpus_per_domain)
+
+    def with_domains(self, domains: Domains) -> Topology:
+        """This topology with its devices grouped by ``domains`` instead of blocks."""
+        return dataclasses.replace(self, device_domains=domains)
+
     def domain(self, devices: Any) -> Any:
         """The NVLink domain of each device id."""
-        return np.asarray(devices) // self.gpus_per_domain
+        return self.domains.of(devices)

@@ -1,12 +1,13 @@
-"""Hierarchical delivery: each byte crosses the network once per NVLink domain, then fans out.
+"""Hierarchical delivery in the cost model: NVLink domains as ``Domains``, and the two stages' time.
 
-When several inference replicas of a tensor sit in one NVLink domain, stage 1
-delivers each byte once per domain over the network, spread over the domain's
-replicas (each gets a 1/k slice of its shard: the replica axis is added as the
-minor factor of the dim whose shards are longest), and stage 2 completes every
-replica over NVLink. Replicas that span domains, or sit alone in theirs, are
-delivered directly in stage 1. Both stages are ordinary core plans, exact by the
-same invariants. See ``docs/cost_model.md``.
+The two-stage plan itself is pure planning (``jreshard.core.hierarchical``):
+stage 1 delivers each byte once per domain over the network, spread over the
+domain's replicas, stage 2 completes every replica over NVLink. Here a
+``Topology`` supplies the domains (``Topology.domains``: blocks of
+``gpus_per_domain`` consecutive GPUs, or any ``Domains`` it was given) and
+``predict_two_stage`` adds the stages' predicted times. ``decide`` is the choice
+``compare`` and ``jreshard.transfer(hierarchical="auto")`` both make. See
+``docs/cost_model.md``.
 
 Example:
   >>> from jreshard import Layout, Mesh
@@ -23,151 +24,106 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 from collections.abc import Callable, Mapping
-from typing import NamedTuple
+from typing import Any, cast
 
-import numpy as np
-
+from jreshard.core import hierarchical as _core
+from jreshard.core.domains import Domains
+from jreshard.core.hierarchical import StagePart, TwoStagePlan
 from jreshard.core.layout import Layout
-from jreshard.core.mesh import Mesh
-from jreshard.core.planner import Plan, plan_layouts
+from jreshard.core.planner import Plan, plan
 from jreshard.fleet.hardware import Topology
-from jreshard.fleet.traffic import Prediction, check_pair, predict_plan
+from jreshard.fleet.traffic import Prediction, predict_plan
 
 __all__ = ["TwoStagePlan", "StagePart", "hierarchical_plan", "predict_two_stage", "stage_parts",
-           "has_domain_replicas"]
+           "has_domain_replicas", "decide", "Decision", "HIERARCHICAL"]
+
+HIERARCHICAL = ("auto", "always", "never")
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class TwoStagePlan:
-    """Stage 1 injects each byte once per NVLink domain, stage 2 fans out inside domains.
+def _domains(where: Topology | Domains | int) -> Domains:
+    """The domains of a Topology, a Domains, or an int (GPUs per domain, contiguous)."""
+    if isinstance(where, Topology):
+        return where.domains
+    if isinstance(where, Domains):
+        return where
+    return Domains.contiguous(where)
 
-    Both stages are core ``Plan``s keyed ``'<tensor>@<part>'``; executing stage 1
-    and then stage 2 (whose sources are stage 1's destination layouts) leaves every
-    destination device with its shard. ``stage2`` is ``None`` when no domain holds
-    two replicas of a tensor (then stage 1 is the direct plan).
+
+def stage_parts(dst: Layout, domains: Topology | Domains | int) -> tuple[StagePart, ...]:
+    """The parts of one destination layout (``jreshard.core.hierarchical.stage_parts``).
+
+    ``domains`` may also be a ``Topology`` or a number of GPUs per domain.
     """
-
-    stage1: Plan
-    stage2: Plan | None
-    names: tuple[str, ...]
-
-    def network_bytes(self, topo: Topology) -> int:
-        """Bytes that cross the network in both stages."""
-        return predict_two_stage(self, topo).network_bytes
+    return _core.stage_parts(dst, _domains(domains))
 
 
-class StagePart(NamedTuple):
-    """One part of a tensor's destination: its stage-1 layout and, if it fans out, its final one."""
-
-    part: str  # 'direct' or 'domain<d>'
-    stage1: Layout
-    target: Layout | None  # the stage-2 destination; None when stage 1 delivers it whole
+def has_domain_replicas(dst: Mapping[str, Layout], topo: Topology | Domains | int) -> bool:
+    """Whether some domain holds two whole replicas of a tensor (hierarchical delivery applies)."""
+    return _core.has_domain_replicas(dst, _domains(topo))
 
 
-class _Group(NamedTuple):
-    part: str
-    mesh: Mesh  # the group's replicas along its first axis, then the sharding axes
-    replica_axis: str | None  # None: delivered directly
-
-
-def _replica_rows(mesh: Mesh, dim_axes: tuple) -> tuple[np.ndarray, tuple[str, ...], tuple[int, ...]]:
-    """Devices of each replica as rows (the sharding axes in mesh order), with those axes' names and sizes."""
-    used = {a for axes in dim_axes for a in axes}
-    names = mesh.axis_names
-    rep = [i for i, n in enumerate(names) if n not in used]
-    other = [i for i, n in enumerate(names) if n in used]
-    arr = np.transpose(mesh.devices, rep + other)
-    rest_shape = tuple(mesh.shape[i] for i in other)
-    return arr.reshape(-1, math.prod(rest_shape)), tuple(names[i] for i in other), rest_shape
-
-
-@functools.lru_cache(maxsize=1024)
-def _domain_groups(mesh: Mesh, dim_axes: tuple, gpus_per_domain: int) -> tuple[_Group, ...]:
-    """The replicas of a (mesh, dim_axes) grouped by the NVLink domain that holds them whole."""
-    rows, other_names, rest_shape = _replica_rows(mesh, dim_axes)
-    dom = rows // gpus_per_domain
-    whole = (dom == dom[:, :1]).all(axis=1)
-    by_dom: dict[int, list[int]] = {}
-    direct: list[int] = []
-    for u in range(len(rows)):
-        (by_dom.setdefault(int(dom[u, 0]), []) if whole[u] else direct).append(u)
-    for d, us in list(by_dom.items()):
-        if len(us) == 1:
-            direct.extend(by_dom.pop(d))
-    rep = "replica"
-    while rep in other_names:
-        rep += "_"
-    names = (rep,) + other_names
-    groups = []
-    if direct:
-        groups.append(_Group("direct", Mesh(rows[sorted(direct)].reshape((len(direct),) + rest_shape), names), None))
-    for d, us in sorted(by_dom.items()):
-        groups.append(_Group(f"domain{d}", Mesh(rows[us].reshape((len(us),) + rest_shape), names), rep))
-    return tuple(groups)
-
-
-def _split_dim_axes(dst: Layout, rep: str) -> tuple:
-    """``dst.dim_axes`` with ``rep`` added (minor) to the dim whose shards are longest."""
-    sizes = dict(zip(dst.mesh.axis_names, dst.mesh.shape, strict=True))
-    extent = [(-(-n // math.prod(sizes[a] for a in axes)), -len(axes), d)
-              for d, (n, axes) in enumerate(zip(dst.shape, dst.dim_axes, strict=True))]
-    _, _, dim = max(extent)
-    dim_axes = list(dst.dim_axes)
-    dim_axes[dim] = dim_axes[dim] + (rep,)
-    return tuple(dim_axes)
-
-
-@functools.lru_cache(maxsize=4096)
-def stage_parts(dst: Layout, gpus_per_domain: int) -> tuple[StagePart, ...]:
-    """The parts of one destination layout under hierarchical delivery (tensors of one layout share them)."""
-    groups = _domain_groups(dst.mesh, dst.dim_axes, gpus_per_domain)
-    if len(groups) == 1 and groups[0].replica_axis is None:
-        return (StagePart("direct", dst, None),)
-    out = []
-    for part, mesh, rep in groups:
-        target = Layout(dst.shape, mesh, dst.dim_axes, dst.dtype)
-        if rep is None:
-            out.append(StagePart(part, target, None))
-        elif not dst.shape:
-            # A scalar cannot be sliced: the first replica of the domain gets it whole.
-            first = Mesh(mesh.devices[:1], mesh.axis_names)
-            out.append(StagePart(part, Layout(dst.shape, first, dst.dim_axes, dst.dtype), target))
-        else:
-            out.append(StagePart(part, Layout(dst.shape, mesh, _split_dim_axes(dst, rep), dst.dtype), target))
-    return tuple(out)
-
-
-def has_domain_replicas(dst: Mapping[str, Layout], topo: Topology) -> bool:
-    """Whether some NVLink domain holds two whole replicas of a tensor (hierarchical delivery applies)."""
-    pairs = {(lay.mesh, lay.dim_axes) for lay in dst.values()}
-    return any(g.replica_axis is not None for mesh, dim_axes in pairs
-               for g in _domain_groups(mesh, dim_axes, topo.gpus_per_domain))
-
-
-def hierarchical_plan(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology, *,
+def hierarchical_plan(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology | Domains | int, *,
                       progress: Callable | None = None) -> TwoStagePlan:
-    """Builds a two-stage plan: network injection once per domain, then NVLink fan-out.
-
-    Args:
-      src, dst: flat dicts {name: Layout} with the same keys.
-      topo: the topology that defines the NVLink domains.
-      progress: optional callable wrapping an iterable (a progress bar).
-    """
-    check_pair(src, dst)
-    stage1, stage2 = [], []
-    names = sorted(src)
-    for name in (progress(names) if progress else names):
-        for part, l1, target in stage_parts(dst[name], topo.gpus_per_domain):
-            stage1.append((f"{name}@{part}", src[name], l1))
-            if target is not None:
-                stage2.append((f"{name}@{part}", l1, target))
-    return TwoStagePlan(plan_layouts(stage1), plan_layouts(stage2) if stage2 else None, tuple(names))
+    """Builds a two-stage plan over ``topo``'s domains (``jreshard.core.hierarchical.hierarchical_plan``)."""
+    return _core.hierarchical_plan(src, dst, _domains(topo), progress=progress)
 
 
 def predict_two_stage(tsp: TwoStagePlan, topo: Topology) -> Prediction:
     """Predicted time of a two-stage plan: stage 1, then stage 2."""
     first = predict_plan(tsp.stage1, topo)
     return first + predict_plan(tsp.stage2, topo) if tsp.stage2 is not None else first
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Decision:
+    """What ``decide`` chose: the delivery, both predictions, and the plans it made."""
+
+    delivery: str  # 'direct' or 'hierarchical'
+    direct: Prediction
+    hierarchical: Prediction | None  # None: not predicted ('never', or no domain holds two replicas)
+    direct_plan: Plan = dataclasses.field(repr=False)
+    two_stage: TwoStagePlan | None = dataclasses.field(repr=False)
+
+
+def check_hierarchical(hierarchical: Any) -> str:
+    """``hierarchical`` checked: one of ``HIERARCHICAL``."""
+    if not isinstance(hierarchical, str) or hierarchical not in HIERARCHICAL:
+        raise ValueError(f"hierarchical must be 'auto', 'always' or 'never', got {hierarchical!r}.")
+    return hierarchical
+
+
+def decide(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology, hierarchical: str = "auto", *,
+           direct_plan: Plan | None = None, progress: Callable | None = None,
+           first: Prediction | None = None) -> Decision:
+    """Direct or hierarchical delivery, as the executors and ``compare`` choose it.
+
+    ``'never'``: direct. Otherwise, when some domain of ``topo`` holds two replicas of a
+    tensor, the two-stage plan is made and predicted; ``'always'`` takes it, ``'auto'``
+    takes it when it is predicted faster than direct delivery. ``first``: a stage both
+    deliveries run first (FP8's amax exchange), added to both predictions.
+
+    Example:
+      >>> from jreshard import Layout, Mesh
+      >>> from jreshard.fleet.hardware import Topology
+      >>> from jreshard.fleet.hierarchical import decide
+      >>> src = {"w": Layout((1 << 20,), Mesh([0], "x"), (), "uint8")}
+      >>> dst = {"w": Layout((1 << 20,), Mesh([4, 5, 6, 7], "dp"), (), "uint8")}
+      >>> topo = Topology(gpus_per_domain=4, nvlink_GBps=100, network_GBps=10, latency_us=5)
+      >>> decide(src, dst, topo).delivery, decide(src, dst, topo, "never").delivery
+      ('hierarchical', 'direct')
+    """
+    check_hierarchical(hierarchical)
+    _core.check_pair(src, dst)
+    p = direct_plan if direct_plan is not None else cast(Plan, plan(dict(src), dict(dst)))
+
+    def after_first(x: Prediction) -> Prediction:
+        return x if first is None else first + x
+
+    direct = after_first(predict_plan(p, topo))
+    tsp, hier = None, None
+    if hierarchical != "never" and has_domain_replicas(dst, topo):
+        tsp = hierarchical_plan(src, dst, topo, progress=progress)
+        hier = after_first(predict_two_stage(tsp, topo))
+    take = hier is not None and (hierarchical == "always" or hier.seconds < direct.seconds)
+    return Decision("hierarchical" if take else "direct", direct, hier, p, tsp)

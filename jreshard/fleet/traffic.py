@@ -23,24 +23,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 
+from jreshard.core.hierarchical import check_pair
 from jreshard.core.layout import Layout
 from jreshard.core.planner import Plan, PlanStats, TensorPlan
 from jreshard.fleet.hardware import Topology
 
-__all__ = ["Traffic", "Prediction", "predict", "plan_traffic", "predict_plan", "sender_load_bound"]
-
-
-def check_pair(src: Any, dst: Any) -> None:
-    """Raises unless ``src`` and ``dst`` are dicts of Layouts with the same tensor names."""
-    if not isinstance(src, Mapping) or not isinstance(dst, Mapping):
-        raise TypeError(f"src and dst must be dicts of Layouts, got {type(src).__name__} and {type(dst).__name__}.")
-    if set(src) != set(dst):
-        diff = sorted(set(src) ^ set(dst))[:3]
-        raise ValueError(f"src and dst must have the same tensor names; they differ in {diff}.")
+__all__ = ["Traffic", "Prediction", "predict", "plan_traffic", "predict_plan", "sender_load_bound", "check_pair"]
 
 
 @dataclasses.dataclass(slots=True)
