@@ -1,0 +1,425 @@
+"""Weight syncs on a simulated cluster: direct vs hierarchical delivery, and the cost model's prediction.
+
+The cluster (``benchmarks/cluster.py``): 4 nodes, each a network namespace whose link to
+the others is shaped with ``tc`` (``--rate-mbit`` per direction); processes of one node
+talk over its loopback (the fast links), processes of different nodes over the shaped
+links. Trainer nodes and inference nodes are apart (nodes 0-1 train, 2-3 serve), and
+every inference node holds 2 replicas of the weights, so hierarchical delivery (each byte
+into each node once, then the copies inside the node) has half the cross-node bytes of
+direct delivery.
+
+  (a) bridge: 4 JAX trainer processes (1 device each, 2 per node, FSDP over 4) -> 4 torch
+      inference ranks (2 per node, each a full replica: TP1 x DP4), a Llama-shaped model
+      cast to bfloat16 at the senders; ``BridgePlan(hierarchical="never" | "always")``
+      with the nodes as domains.
+  (b) jreshard.transfer: 4 JAX processes (one per node, 2 devices each; gloo between
+      processes), float32 leaves FSDP over the 4 devices of nodes 0-1 -> replicated on
+      the 4 devices of nodes 2-3 (2 replicas per process); ``hierarchical=`` when
+      ``jreshard.transfer`` accepts it, else direct only.
+  (c) the cost model (``jreshard.fleet.cost.compare``) for the same layouts, with the
+      network set to the measured shaped-link rate (halved per rank: two ranks share a
+      node's link), the fast links to the measured loopback (a) or memory copy (b) rate
+      and the latency to half the measured round trip, next to the measured times.
+
+Cross-node bytes are counted by the kernel (``tx_bytes`` of every node's link, TCP/IP
+headers and the timing barriers included) next to the plan's figure. Without root or
+iproute2 the processes run on the machine's loopback (no shaping, no counts).
+
+Usage: python benchmarks/cluster_bench.py [--parts abc --reps 3 --rate-mbit 400 --layers 4 --hidden 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:0] = [HERE, ROOT]
+
+from cluster import Cluster, round_trip, stream_rate, unavailable  # noqa: E402
+
+NODES, PER_NODE = 4, 2
+TRAINERS, RECEIVERS = (0, 1, 2, 3), (4, 5, 6, 7)  # bridge ranks; rank r sits in node r // PER_NODE
+DOMAINS = [[2 * k, 2 * k + 1] for k in range(NODES)]
+MODES = ("never", "always")
+MiB = 1 << 20
+
+
+def _config(a):
+    from jreshard.nn import LlamaConfig
+
+    return LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.hidden * 11 // 4,
+                       num_hidden_layers=a.layers, num_attention_heads=a.hidden // 64,
+                       num_key_value_heads=max(1, a.hidden // 128), head_dim=64, name="cluster-bench")
+
+
+def _tx_bytes() -> int:
+    """Bytes this node has sent over its link (the kernel's count), or 0 off the cluster."""
+    try:
+        with open("/sys/class/net/eth0/statistics/tx_bytes") as f:
+            return int(f.read())
+    except OSError:
+        return 0
+
+
+def _bridge_plans(a) -> dict:
+    import bridge
+    from jreshard.nn import fsdp_spec, param_shapes
+
+    cfg = _config(a)
+    src = bridge.Source.build(param_shapes(cfg), bridge.trainer_mesh((4,), "fsdp", TRAINERS, 1), fsdp_spec)
+    pm = bridge.llama_param_map(cfg, src, [[r] for r in RECEIVERS], fused=True, dtype="bfloat16")
+    if "hierarchical" not in inspect.signature(bridge.BridgePlan).parameters:
+        return {"never": bridge.BridgePlan(src, pm, bucket_bytes=a.bucket_mb * MiB)}
+    return {m: bridge.BridgePlan(src, pm, bucket_bytes=a.bucket_mb * MiB, hierarchical=m, domains=DOMAINS)
+            for m in MODES}
+
+
+def bridge_worker(a) -> None:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    import bridge
+
+    rank, count = a.rank, a.count_bytes and a.rank % PER_NODE == 0
+    plans = _bridge_plans(a)
+    bridge.init_group(rank, len(TRAINERS) + len(RECEIVERS), port=a.port, host=a.master, timeout=600)
+
+    def timed(fn) -> tuple[float, int]:
+        dist.barrier()
+        c0, t0 = _tx_bytes(), time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        dist.barrier()
+        t = torch.tensor([dt], dtype=torch.float64)
+        n = torch.tensor([_tx_bytes() - c0 if count else 0], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(n)
+        return float(t.item()), int(n.item())
+
+    results: dict = {m: {"times": [], "bytes": []} for m in plans}
+    if rank in TRAINERS:
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        from bridge.sender import Sender
+        from jreshard.nn import fsdp_spec
+
+        jax.distributed.initialize(f"{a.master}:{a.jax_port}", num_processes=len(TRAINERS), process_id=rank,
+                                   initialization_timeout=300)
+        mesh = jax.make_mesh((4,), ("fsdp",), devices=jax.devices(), axis_types=(jax.sharding.AxisType.Auto,))
+        src = next(iter(plans.values())).source
+        rng = np.random.default_rng(0)
+        params = {}
+        for path, layout in src.items():
+            host = rng.standard_normal(layout.shape, dtype=np.float32)
+            sharding = NamedSharding(mesh, P(*fsdp_spec(path, host.shape)))
+            params[path] = jax.make_array_from_callback(host.shape, sharding, lambda idx, h=host: h[idx])
+        senders = {m: Sender(p, rank=rank, timeout=600) for m, p in plans.items()}
+        for rep in range(a.reps + 1):  # the first repetition warms up
+            for m, s in senders.items():
+                t, n = timed(lambda s=s, rep=rep: s.sync(params, version=rep + 1))
+                if rep:
+                    results[m]["times"].append(t)
+                    results[m]["bytes"].append(n)
+    else:
+        outs = {}
+        receivers = {}
+        for m, p in plans.items():
+            mine = p.param_map.for_rank(rank)
+            outs[m] = {q.name: torch.zeros(q.shape, dtype=getattr(torch, q.dtype)) for q in mine}
+            receivers[m] = bridge.Receiver(p, outs[m], rank=rank, timeout=600)
+        for rep in range(a.reps + 1):
+            for m, r in receivers.items():
+                t, n = timed(r.sync)
+                if rep:
+                    results[m]["times"].append(t)
+                    results[m]["bytes"].append(n)
+        first = outs[MODES[0]]
+        same = all(torch.equal(first[k], o[k]) for o in outs.values() for k in first)
+        nonzero = all(bool(v.any()) for v in first.values())
+        if rank == RECEIVERS[0]:
+            plan_bytes = {m: _cross_node_bytes(p) for m, p in plans.items()}
+            print("RESULT " + json.dumps({"results": results, "same": same and nonzero, "plan_bytes": plan_bytes,
+                                          "buckets": {m: p.num_buckets for m, p in plans.items()}}), flush=True)
+    dist.barrier()
+    os._exit(0)  # skip the JAX coordination shutdown barrier
+
+
+def _cross_node_bytes(plan) -> int:
+    """Bytes of the plan's messages whose sender and receiver sit in different nodes."""
+    node = {r: r // PER_NODE for r in (*TRAINERS, *RECEIVERS)}
+    return sum(m.nbytes for m in plan.messages if node[m.src] != node[m.dst])
+
+
+def transfer_worker(a) -> None:
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={PER_NODE}"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+
+    jax.distributed.initialize(f"{a.master}:{a.jax_port}", num_processes=NODES, process_id=a.rank,
+                               initialization_timeout=300)
+    import numpy as np
+    from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import jreshard
+
+    devs = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    train = jax.sharding.Mesh(np.array(devs[:4]), ("fsdp",))
+    serve = jax.sharding.Mesh(np.array(devs[4:]).reshape(2, 2), ("node", "dp"))
+    shapes = _transfer_shapes(a)
+    params, target = {}, {}
+    for i, (name, shape) in enumerate(shapes.items()):
+        host = np.random.default_rng(i).standard_normal(shape, dtype=np.float32)
+        params[name] = jax.make_array_from_callback(shape, NamedSharding(train, P("fsdp")), lambda idx, h=host: h[idx],
+                                                    dtype=np.float32)
+        target[name] = NamedSharding(serve, P())
+    modes = MODES if "hierarchical" in inspect.signature(jreshard.transfer).parameters else ("never",)
+    results: dict = {m: {"times": [], "bytes": []} for m in modes}
+    outs = {}
+    for rep in range(a.reps + 1):
+        for m in modes:
+            kw = {"hierarchical": m} if len(modes) > 1 else {}
+            multihost_utils.sync_global_devices(f"start {rep} {m}")
+            c0, t0 = _tx_bytes(), time.perf_counter()
+            outs[m] = jax.block_until_ready(jreshard.transfer(params, target, **kw))
+            dt = time.perf_counter() - t0
+            multihost_utils.sync_global_devices(f"end {rep} {m}")
+            if rep:
+                results[m]["times"].append(dt)
+                results[m]["bytes"].append(_tx_bytes() - c0 if a.count_bytes else 0)
+    exact = True
+    for i, (name, shape) in enumerate(shapes.items()):
+        want = np.random.default_rng(i).standard_normal(shape, dtype=np.float32)
+        for m in modes:
+            exact &= all(np.array_equal(np.asarray(s.data), want) for s in outs[m][name].addressable_shards)
+    stats = jreshard.plan(params, target).stats()
+    print("RESULT " + json.dumps({"rank": a.rank, "results": results, "exact": bool(exact),
+                                  "network_bytes": stats.network_bytes}), flush=True)
+    multihost_utils.sync_global_devices("done")
+    os._exit(0)
+
+
+def _transfer_shapes(a) -> dict[str, tuple[int, int]]:
+    n = max(1, round(a.transfer_mb * MiB / (4 * 1024 * 1024)))
+    return {f"w{i}": (1024, 1024) for i in range(n)}
+
+
+# ---------------------------------------------------------------------- the driver
+def _launch(cluster: Cluster | None, ranks: list[tuple[int, list[str]]], env: dict, timeout: float) -> list[str]:
+    """Starts one process per (node, argv) (inside its node when there is a cluster); returns their outputs."""
+    procs = []
+    for node, argv in ranks:
+        kw = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        procs.append(cluster.popen(node, argv, **kw) if cluster else
+                     subprocess.Popen(argv, start_new_session=True, **kw))
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+    return outs
+
+
+def _results(outs: list[str]) -> list[dict]:
+    lines = [ln[len("RESULT "):] for o in outs for ln in o.splitlines() if ln.startswith("RESULT ")]
+    if not lines:
+        raise SystemExit("benchmark failed:\n" + "\n----\n".join(o[-3000:] for o in outs))
+    return [json.loads(ln) for ln in lines]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _common(a, cluster: Cluster | None) -> tuple[str, list[str], dict]:
+    master = Cluster.addr(0) if cluster else "127.0.0.1"
+    args = [f"--reps={a.reps}", f"--layers={a.layers}", f"--hidden={a.hidden}", f"--vocab={a.vocab}",
+            f"--bucket-mb={a.bucket_mb}", f"--transfer-mb={a.transfer_mb}", f"--master={master}",
+            f"--port={29500 if cluster else _free_port()}", f"--jax-port={29501 if cluster else _free_port()}",
+            *(["--count-bytes"] if cluster else [])]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=1", PYTHONPATH=ROOT)
+    return master, args, env
+
+
+def run_bridge(a, cluster: Cluster | None) -> dict:
+    _, args, env = _common(a, cluster)
+    ranks = [(r // PER_NODE, [sys.executable, __file__, "--bridge-rank", str(r), *args])
+             for r in (*TRAINERS, *RECEIVERS)]
+    return _results(_launch(cluster, ranks, env, a.timeout))[0]
+
+
+def run_transfer(a, cluster: Cluster | None) -> list[dict]:
+    _, args, env = _common(a, cluster)
+    ranks = [(k, [sys.executable, __file__, "--transfer-rank", str(k), *args]) for k in range(NODES)]
+    return _results(_launch(cluster, ranks, env, a.timeout))
+
+
+def predictions(a, shaped: float, fast: dict[str, float], latency_s: float) -> dict[str, dict[str, float]]:
+    """The cost model's seconds for (a) and (b), direct and hierarchical, on the measured links.
+
+    Device ``d`` of the model is bridge rank ``d`` (a) or JAX device ``d`` (b), node ``d // 2``.
+    """
+    import numpy as np
+
+    from jreshard import Layout, Mesh
+    from jreshard.fleet.cost import Topology, compare
+    from jreshard.nn import fsdp_spec, param_shapes
+
+    src_mesh, dst_mesh = Mesh(np.arange(4), "fsdp"), Mesh(np.arange(4, 8), "dp")
+    cases = {
+        "a": ({p: s for p, s in param_shapes(_config(a)).items()}, "bfloat16", a.bucket_mb * MiB, fsdp_spec),
+        "b": (_transfer_shapes(a), "float32", 256 * MiB, lambda p, s: ("fsdp",)),
+    }
+    out = {}
+    for part, (shapes, dtype, bucket, spec) in cases.items():
+        src = {p: Layout(s, src_mesh, spec(p, s), dtype) for p, s in shapes.items()}
+        dst = {p: Layout(s, dst_mesh, (), dtype) for p, s in shapes.items()}
+        topo = Topology(gpus_per_domain=PER_NODE, nvlink_GBps=fast[part] / 1e9, network_GBps=shaped / PER_NODE / 1e9,
+                        latency_us=latency_s * 1e6, bucket_bytes=bucket)
+        c = compare(src, dst, topo, hierarchical="always")
+        hier = c.hierarchical if c.hierarchical is not None else c.direct
+        out[part] = {"never": c.direct.seconds, "always": hier.seconds,
+                     "never_bytes": c.direct.network_bytes, "always_bytes": hier.network_bytes}
+    return out
+
+
+def _memcpy_rate() -> float:
+    import numpy as np
+
+    x, y = np.ones(64 * MiB, np.uint8), np.empty(64 * MiB, np.uint8)
+    np.copyto(y, x)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        np.copyto(y, x)
+        times.append(time.perf_counter() - t0)
+    return x.nbytes / statistics.median(times)
+
+
+def _report(title: str, res: dict, plan_bytes: dict, pred: dict | None) -> None:
+    print(title)
+    med = {m: statistics.median(r["times"]) for m, r in res.items()}
+    for m, r in res.items():
+        name = {"never": "direct", "always": "hierarchical"}[m]
+        kb = statistics.median(r["bytes"])
+        planned = f"{plan_bytes[m] / 1e6:7.2f} MB" if m in plan_bytes else "n/a"
+        line = (f"  {name:<13} median {med[m] * 1e3:8.1f} ms (runs {', '.join(f'{t * 1e3:.0f}' for t in r['times'])}); "
+                f"cross-node bytes: kernel {kb / 1e6:7.2f} MB, plan {planned}")
+        if pred is not None:
+            line += (f"; predicted {pred[m] * 1e3:7.1f} ms ({pred[m + '_bytes'] / 1e6:.2f} MB), "
+                     f"predicted / measured {pred[m] / med[m]:.2f}")
+        print(line)
+    if len(med) == 2:
+        print(f"  hierarchical speed-up over direct: {med['never'] / med['always']:.2f}x (goal >= 1.5x)")
+    else:
+        print("  hierarchical: not run (this executor has no hierarchical= option yet)")
+
+
+def _machine() -> str:
+    import jax
+    import numpy as np
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return (f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}; python "
+            f"{platform.python_version()}, jax {jax.__version__}, torch {torch.__version__}, numpy {np.__version__}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--parts", default="abc", help="a: bridge, b: jreshard.transfer, c: the cost model")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--rate-mbit", type=float, default=400.0)
+    ap.add_argument("--latency-ms", type=float, default=1.0)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--vocab", type=int, default=8000)
+    ap.add_argument("--bucket-mb", type=int, default=16)
+    ap.add_argument("--transfer-mb", type=int, default=32, help="model size of part (b), float32")
+    ap.add_argument("--timeout", type=float, default=1200)
+    for hidden in ("--bridge-rank", "--transfer-rank", "--rank", "--port", "--jax-port"):
+        ap.add_argument(hidden, type=int, default=-1, help=argparse.SUPPRESS)
+    ap.add_argument("--master", default="127.0.0.1", help=argparse.SUPPRESS)
+    ap.add_argument("--count-bytes", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.bridge_rank >= 0:
+        a.rank = a.bridge_rank
+        return bridge_worker(a)
+    if a.transfer_rank >= 0:
+        a.rank = a.transfer_rank
+        return transfer_worker(a)
+
+    print("jreshard on a simulated cluster")
+    print("machine:", _machine())
+    reason = unavailable()
+    cluster = None if reason else Cluster(NODES, rate_mbit=a.rate_mbit, latency_ms=a.latency_ms).up()
+    try:
+        if cluster is None:
+            print(f"no simulated cluster ({reason}): every process runs on the machine's loopback, unshaped")
+            shaped = loop = stream_rate(None, 0, 0)
+            rtt = round_trip(None, 0, 0)
+        else:
+            shaped, loop = stream_rate(cluster, 0, 2), stream_rate(cluster, 2, 2)
+            rtt = round_trip(cluster, 0, 2)
+            print(f"cluster: {NODES} nodes x {PER_NODE} ranks, links shaped to {a.rate_mbit:g} Mbit/s per direction, "
+                  f"latency {a.latency_ms:g} ms " + ("applied (netem)" if cluster.latency_shaped else
+                                                    "NOT applied (this kernel has no netem qdisc)"))
+        copy = _memcpy_rate()
+        print(f"measured: shaped link {shaped * 8 / 1e6:.0f} Mbit/s ({shaped / 1e6:.1f} MB/s), loopback in a node "
+              f"{loop * 8 / 1e9:.2f} Gbit/s, memory copy {copy / 1e9:.2f} GB/s, 1-byte TCP round trip across "
+              f"nodes {rtt * 1e6:.0f} us")
+        pred = predictions(a, shaped, {"a": loop, "b": copy}, rtt / 2) if "c" in a.parts and cluster else None
+        if "c" in a.parts and cluster is None:
+            print("(c) skipped: without a cluster there is no shaped link to predict")
+        if "a" in a.parts:
+            t0 = time.perf_counter()
+            r = run_bridge(a, cluster)
+            cfg = _config(a)
+            _report(f"\n(a) bridge: 4 JAX trainers (nodes 0-1) -> 4 torch ranks (nodes 2-3, a full replica each), "
+                    f"{cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, bfloat16 on "
+                    f"the wire, {a.bucket_mb} MiB buckets {r['buckets']}; {a.reps} repetitions after a warm-up; all "
+                    f"modes give the same weights: {r['same']} ({time.perf_counter() - t0:.0f} s)",
+                    r["results"], r["plan_bytes"], pred["a"] if pred else None)
+        if "b" in a.parts:
+            t0 = time.perf_counter()
+            rs = run_transfer(a, cluster)
+            modes = list(rs[0]["results"])
+            merged = {m: {"times": [max(r["results"][m]["times"][i] for r in rs) for i in range(a.reps)],
+                          "bytes": [sum(r["results"][m]["bytes"][i] for r in rs) for i in range(a.reps)]}
+                      for m in modes}
+            nb = rs[0]["network_bytes"]
+            _report(f"\n(b) jreshard.transfer: 4 JAX processes x 2 devices (one per node, gloo), "
+                    f"{len(_transfer_shapes(a))} float32 leaves of 1024x1024 FSDP over nodes 0-1 -> replicated on "
+                    f"nodes 2-3; bit-exact: {all(r['exact'] for r in rs)} ({time.perf_counter() - t0:.0f} s)",
+                    merged, {"never": nb}, pred["b"] if pred else None)
+    finally:
+        if cluster is not None:
+            cluster.down()
+
+
+if __name__ == "__main__":
+    main()
