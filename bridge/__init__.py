@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from bridge._dtensor import dtensor_params
+from bridge._fp8 import Fp8ParamMap, fp8_param_map
 from bridge._param_map import Param, ParamMap, Region
 from bridge._plan import BridgePlan, Message, ParamMove, Piece, Segment
 from bridge._rules import Rule, tp_param_map
@@ -30,6 +31,7 @@ from bridge.recipes.qwen3_moe import qwen3_moe_param_map, qwen3_moe_rules
 
 __all__ = [
     "BridgePlan",
+    "Fp8ParamMap",
     "Message",
     "Param",
     "ParamMap",
@@ -45,6 +47,7 @@ __all__ = [
     "SyncError",
     "dtensor_param_map",
     "dtensor_params",
+    "fp8_param_map",
     "init_group",
     "llama_param_map",
     "llama_rules",
