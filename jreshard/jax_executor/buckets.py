@@ -12,7 +12,7 @@ collective.
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -62,6 +62,7 @@ class BucketProgram:
     packs: tuple[Launch, ...]  # compiled packing only
     unpacks: tuple[Launch, ...]
     comm: Callable[..., Any] | None  # collective only
+    link_bytes: Mapping[tuple[int, int], int]  # payload bytes this process's devices send, per (sender, receiver)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -165,9 +166,13 @@ def build_programs(buckets: Sequence[Bucket], dests: Destinations, transport: Tr
             assert transport.mesh is not None
             perms = tuple(tuple((position[m.src], position[m.dst]) for m in msgs) for msgs in bucket.rounds)
             comm = programs.make_comm(transport.mesh, perms)
+        link_bytes: Counter[tuple[int, int]] = Counter()
+        for s, send in sends.items():
+            for m, _ in send.messages:
+                link_bytes[(s, m.dst)] += sum(p.nbytes for p in m.pieces)
         out.append(BucketProgram(bucket.rounds, widths, sends, receives,
                                  launches(packs, transport.devices) if compiled else (),
-                                 launches(unpacks, transport.devices) if compiled else (), comm))
+                                 launches(unpacks, transport.devices) if compiled else (), comm, link_bytes))
     return out
 
 
@@ -178,9 +183,20 @@ class BucketRunner:
         self.progs = progs
         self.dests = dests
         self.transport = transport
+        # Payload bytes sent by this process's devices in the last call, per (sender, receiver).
+        self.link_bytes: Counter[tuple[int, int]] = Counter()
+        self.total_bytes = sum(sum(p.link_bytes.values()) for p in progs)
+        self.progress: Any = None  # a tqdm-like bar for the next call (update(nbytes)), or None
 
     def __call__(self, shards: SourceShards) -> Results:
+        self.link_bytes = Counter()
         return self._on_host(shards) if self.transport.host_packing else self._compiled(shards)
+
+    def _sent(self, prog: BucketProgram) -> None:
+        """Counts a bucket's sends once the transport has moved them."""
+        self.link_bytes.update(prog.link_bytes)
+        if self.progress is not None:
+            self.progress.update(sum(prog.link_bytes.values()))
 
     def _compiled(self, shards: SourceShards) -> Results:
         results: Results = {}
@@ -195,6 +211,7 @@ class BucketRunner:
                 for send, out in zip(sends, outs, strict=True):
                     packed.update(((m.src, m.dst), o) for (m, _), o in zip(send.messages, out, strict=True))
             received, _ = self.transport.send(prog, packed)
+            self._sent(prog)
             last = []
             for launch in prog.unpacks:
                 receives = [prog.receives[d] for d in launch.devices]
@@ -239,6 +256,7 @@ class BucketRunner:
         received, done = self.transport.send(prog, {(m.src, m.dst): x
                                                     for (_, m, _), x in zip(tasks, placed, strict=True)})
         jax.block_until_ready(done)  # the arenas are free again once the sends are done
+        self._sent(prog)
         for d, r in prog.receives.items():  # allocate in this thread, fill on the copy threads
             for i in r.carried + r.fresh:
                 if (i, d) not in outs:

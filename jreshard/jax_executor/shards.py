@@ -64,14 +64,19 @@ class Destinations:
 class SourceShards:
     """One sync's source shards by (leaf, device), looked up once per leaf."""
 
-    def __init__(self, values: Sequence[jax.Array], casts: HostCasts) -> None:
+    def __init__(self, values: Sequence[jax.Array], casts: HostCasts,
+                 given: Mapping[tuple[int, int], jax.Array | np.ndarray] | None = None) -> None:
+        """``given``: the shards by (leaf, device) instead of ``values``' (the output of an earlier stage)."""
         self._values = values
         self.casts = casts
+        self._given = given
         self._shards: dict[int, dict[int, jax.Array]] = {}
         self._views: dict[tuple[int, int], np.ndarray] = {}
 
     def get(self, leaf: int, device: int) -> jax.Array:
         """The shard of ``leaf`` on ``device``, as the caller passed it."""
+        if self._given is not None:
+            return self._given[(leaf, device)]  # type: ignore[return-value]  # host memory is read alike
         if leaf not in self._shards:
             self._shards[leaf] = {s.device.id: s.data for s in self._values[leaf].addressable_shards}
         return self._shards[leaf][device]

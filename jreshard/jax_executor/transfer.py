@@ -19,26 +19,47 @@ compiled programs. The outputs are assembled with exactly the target sharding
 (``executor.py``); a destination shard that is exactly a source shard on the
 same device, in the same dtype, is reused without a copy.
 
+*Hierarchical delivery* (``hierarchical=``; docs/transfer.md): where a domain
+(by default the devices of one JAX process, which share memory as the GPUs of a
+node share NVLink) holds several replicas of a target, stage 1 sends each byte
+into the domain once, spread over its replicas (``jreshard.core.hierarchical``),
+and stage 2 completes the replicas with local copies. ``"auto"`` takes it when the
+cost model (``jreshard.fleet.hierarchical.decide``) predicts it faster.
+
 The executor of a (plan, shardings, dtypes, transport, cap) is cached, so a
 second transfer of the same pytree builds and compiles nothing. The first one
-compiles its programs (see docs/transfer.md, "First call").
+compiles its programs (see docs/transfer.md, "First call"). Each call logs what
+it did (logger ``"jreshard"``) and keeps it for ``last_transfer_stats()``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import logging
 import numbers
+import sys
+import threading
+import time
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
+from jreshard.core.domains import Domains
 from jreshard.core.plans import Plan, TensorPlan
+from jreshard.fleet.hardware import Topology
+from jreshard.fleet.hierarchical import HIERARCHICAL, check_hierarchical, decide
 from jreshard.jax_executor import host
 from jreshard.jax_executor.adapter import Leaves, check_live, parse
-from jreshard.jax_executor.executor import Spec, executor
+from jreshard.jax_executor.executor import Spec, executor, two_stage_executor
 from jreshard.jax_executor.host import release_transfer_buffers
 
-__all__ = ["transfer", "release_transfer_buffers", "DEFAULT_MAX_BYTES_IN_FLIGHT", "TRANSPORTS"]
+__all__ = ["transfer", "release_transfer_buffers", "last_transfer_stats", "TransferStats", "auto_topology",
+           "DEFAULT_MAX_BYTES_IN_FLIGHT", "TRANSPORTS", "HIERARCHICAL"]
+
+log = logging.getLogger("jreshard")
 
 DEFAULT_MAX_BYTES_IN_FLIGHT = 256 << 20
 TRANSPORTS = ("auto", "collective", "device_put", "memcpy")
@@ -53,10 +74,55 @@ _AUTO_ONE_PROCESS = {"cpu": "memcpy"}
 # of compiled XLA programs, which on CPU copy slices several times slower.
 _HOST_PACKING_BACKENDS = frozenset({"cpu"})
 
+# The links `hierarchical="auto"` weighs, per backend: inside a domain (`nvlink_GBps`) and
+# between domains (`network_GBps`), per device and direction. CPU: a host copy inside a
+# process against the cross-process collective (gloo), as benchmarks/transfer_bench.py
+# measures them here (docs/transfer.md); other backends: the DGX H100 hardware file.
+_AUTO_LINKS = {"cpu": Topology(1, nvlink_GBps=2.0, network_GBps=0.25, latency_us=500)}
+_AUTO_LINKS_DEFAULT = Topology.from_hardware("dgx-h100")
+
+# Syncs whose bytes sent by this process pass this show a progress bar on a terminal.
+_PROGRESS_BYTES = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TransferStats:
+    """What one ``transfer`` call did, as this process's executors counted it.
+
+    ``link_bytes`` holds the payload bytes this process's devices sent, per (sender,
+    receiver) device id, both stages together (a device's copies to itself are not
+    counted); under ``jax.distributed`` each process counts its own senders.
+    """
+
+    delivery: str  # "direct" or "hierarchical"
+    transports: tuple[str, ...]  # per stage
+    domains: Domains
+    link_bytes: Mapping[tuple[int, int], int]
+    seconds: float
+
+    @property
+    def cross_domain_bytes(self) -> int:
+        """Bytes sent across a domain boundary."""
+        return sum(b for (s, d), b in self.link_bytes.items() if self.domains.domain(s) != self.domains.domain(d))
+
+    @property
+    def sent_bytes(self) -> int:
+        """Bytes sent between distinct devices."""
+        return sum(self.link_bytes.values())
+
+
+_LAST = threading.local()
+
+
+def last_transfer_stats() -> TransferStats | None:
+    """The ``TransferStats`` of this thread's last ``transfer`` call (``None`` before the first)."""
+    return getattr(_LAST, "stats", None)
+
 
 def transfer(params: Any, target: Any, *, plan: Plan | TensorPlan | None = None, dtype: Any = None,
              donate: bool = False, max_bytes_in_flight: int = DEFAULT_MAX_BYTES_IN_FLIGHT,
-             mesh: Any = None, transport: str = "auto", block: Any = None) -> Any:
+             mesh: Any = None, transport: str = "auto", block: Any = None, hierarchical: str = "auto",
+             domains: Any = None, progress: bool | None = None) -> Any:
     """Moves a pytree of sharded jax Arrays onto another sharding, sending only what each device lacks.
 
     Call it outside ``jax.jit``, on concrete arrays.
@@ -85,6 +151,16 @@ def transfer(params: Any, target: Any, *, plan: Plan | TensorPlan | None = None,
         such as ``(128, 128)``, ``(None, None)`` (per tensor), ``(1, None)`` (per channel),
         or an ``Fp8Format``; then the call returns ``(weights, scales)``
         (``jreshard.jax_executor.fp8.transfer``; docs/fp8.md).
+      hierarchical: ``"never"`` (every destination shard straight from a source),
+        ``"always"`` (where a domain holds two or more replicas of a target, each byte
+        crosses into it once, spread over its replicas, then local copies complete them),
+        or ``"auto"``: hierarchical where the cost model predicts it faster
+        (``jreshard.fleet.hierarchical.decide`` over ``auto_topology``; the same choice
+        ``jreshard plan`` prints).
+      domains: which devices share fast links: a ``jreshard.Domains`` or a list of
+        lists of device ids; ``None``: the devices of each JAX process.
+      progress: show a tqdm bar of the bytes sent (``None``: when this process sends
+        over 1 GiB and stderr is a terminal).
 
     Returns:
       The pytree of ``params``' structure, each leaf a ``jax.Array`` with exactly its
@@ -115,6 +191,10 @@ def transfer(params: Any, target: Any, *, plan: Plan | TensorPlan | None = None,
         return fp8.transfer(params, target, block=block, plan=plan, dtype=dtype, donate=donate,
                             max_bytes_in_flight=max_bytes_in_flight, mesh=mesh, transport=transport)
     cap = _check_options(donate, transport, max_bytes_in_flight)
+    check_hierarchical(hierarchical)
+    if progress is not None and not isinstance(progress, bool):
+        raise TypeError(f"progress must be True, False or None, got {progress!r}.")
+    groups = _check_domains(domains)
     leaves = parse(params, target, mesh=mesh, dtype=dtype, need_data=True)
     if cap < max(dt.itemsize for dt in leaves.dtypes):
         raise ValueError(f"max_bytes_in_flight={cap} is smaller than one element; raise it.")
@@ -131,12 +211,78 @@ def transfer(params: Any, target: Any, *, plan: Plan | TensorPlan | None = None,
     spec = Spec(plan, tuple(v.sharding for v in leaves.values), leaves.shardings,
                 tuple(np.dtype(v.dtype) for v in leaves.values), leaves.dtypes, transport, cap, host_packing,
                 tuple(tplans), leaves.src, leaves.dst)
-    ex = executor(spec)
+    groups = groups if groups is not None else process_domains()
+    delivery = _delivery(spec, leaves.names, groups, hierarchical)
+    ex: Any
+    if delivery.two_stage is not None:
+        ex = two_stage_executor(spec, leaves.names, delivery.two_stage)
+        transports = tuple(t for t in ex.transports if t is not None)
+    else:
+        ex, transports = executor(spec), (transport,)
+    start = time.perf_counter()
     with host.LOCK:
         # Another thread may have donated these arrays since they were parsed.
         check_live(leaves.names, leaves.values)
-        out = ex(leaves.values, donate)
+        bar = _progress_bar(progress, ex.total_bytes)
+        try:
+            out = ex(leaves.values, donate, bar)
+        finally:
+            if bar is not None:
+                bar.close()
+        stats = TransferStats(delivery.delivery, transports, groups, dict(ex.link_bytes),
+                              time.perf_counter() - start)
+    _LAST.stats = stats
+    log.info("transfer: %d leaves, %s delivery (%s) over %s; sent %d bytes (%d across domains) in %.3f s",
+             len(leaves.names), stats.delivery, "+".join(transports), groups, stats.sent_bytes,
+             stats.cross_domain_bytes, stats.seconds)
     return jax.tree_util.tree_unflatten(leaves.treedef, out)
+
+
+def _check_domains(domains: Any) -> Domains | None:
+    if domains is None or isinstance(domains, Domains):
+        return domains
+    if isinstance(domains, (list, tuple)):
+        return Domains.from_groups(domains)
+    raise TypeError(f"domains must be a jreshard.Domains, a list of lists of device ids or None, got "
+                    f"{type(domains).__name__} {domains!r}.")
+
+
+def process_domains() -> Domains:
+    """The default domains: the devices of each JAX process."""
+    groups: dict[int, list[int]] = {}
+    for d in jax.devices():
+        groups.setdefault(d.process_index, []).append(d.id)
+    return Domains.from_groups([groups[p] for p in sorted(groups)])
+
+
+def auto_topology(platform: str, domains: Domains) -> Topology:
+    """The links ``hierarchical="auto"`` weighs for devices of ``platform`` grouped by ``domains``."""
+    return _AUTO_LINKS.get(platform, _AUTO_LINKS_DEFAULT).with_domains(domains)
+
+
+@functools.lru_cache(maxsize=64)
+def _delivery(spec: Spec, names: tuple[str, ...], domains: Domains, hierarchical: str) -> Any:
+    """The cost model's decision (``fleet.hierarchical.decide``) for a spec, made once per spec."""
+    devices: list[Any] = [d for s in spec.targets for d in s.device_set]
+    platforms = {d.platform for d in devices}
+    topo = auto_topology(platforms.pop() if len(platforms) == 1 else "", domains)
+    src, dst = dict(zip(names, spec.src, strict=True)), dict(zip(names, spec.dst, strict=True))
+    d = decide(src, dst, topo, hierarchical, direct_plan=spec.plan if isinstance(spec.plan, Plan) else None)
+    if d.hierarchical is not None:
+        log.debug("hierarchical delivery predicted %.4g s against %.4g s direct: %s", d.hierarchical.seconds,
+                  d.direct.seconds, d.delivery)
+    return d
+
+
+def _progress_bar(enabled: bool | None, total: int) -> Any:
+    if enabled is None:
+        enabled = total > _PROGRESS_BYTES and sys.stderr.isatty()
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc=f"jreshard transfer process {jax.process_index()}",
+                leave=False)
 
 
 def _check_options(donate: Any, transport: Any, max_bytes_in_flight: Any) -> int:
