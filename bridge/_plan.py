@@ -13,33 +13,40 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from bridge._args import check_flag, check_int
 from bridge._param_map import Param, ParamMap
-from bridge._reduce import Job, jobs
-from bridge._source import Source, split_source_id
+from bridge._reduce import Job, jobs, two_stage
+from bridge._source import SOURCE_BASE, Source, split_source_id
 from jreshard.core.box import Box, split_box
+from jreshard.core.domains import Domains
 from jreshard.core.dtypes import numpy_dtype
 from jreshard.core.planner import plan_layouts
 
-__all__ = ["ParamMove", "Piece", "Message", "Segment", "BridgePlan", "FORMAT_VERSION", "ALIGN", "WIRE_DTYPES"]
+__all__ = ["ParamMove", "Piece", "Message", "Segment", "BridgePlan", "FORMAT_VERSION", "ALIGN", "WIRE_DTYPES",
+           "HIERARCHICAL", "bridge_domains"]
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 ALIGN = 64  # bytes; every piece in a message starts aligned, so any dtype view is valid
 # The param dtypes the wire carries: each has a torch dtype of the same name and itemsize.
 WIRE_DTYPES = ("float32", "bfloat16", "float16", "float64", "int32", "int64", "int8", "uint8", "bool")
+HIERARCHICAL = ("auto", "always", "never")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ParamMove:
-    """Send ``leaf[box]`` from trainer device ``src`` (a source id) into region ``region`` of ``param`` on ``dst``.
+    """Send ``leaf[box]`` from ``src`` into region ``region`` of ``param`` on ``dst``.
 
-    A planned move cut to fit ``bucket_bytes``; placed in a message it is a ``Piece``.
+    In ``stage`` 1 ``src`` is a trainer device (a source id); in stage 2 of hierarchical
+    delivery it is an inference rank of ``dst``'s domain that received the box in stage 1
+    (into its own copy of ``param``). A planned move cut to fit ``bucket_bytes``; placed in a
+    message it is a ``Piece``.
     """
 
     src: int
@@ -49,11 +56,12 @@ class ParamMove:
     param: str
     region: int
     nbytes: int
+    stage: int = 1
 
     @property
     def src_rank(self) -> int:
-        """The torch rank of the trainer process that holds ``src``."""
-        return split_source_id(self.src)[0]
+        """The torch rank that sends: the trainer process holding ``src``, or ``src`` itself in stage 2."""
+        return split_source_id(self.src)[0] if self.src >= SOURCE_BASE else self.src
 
     @property
     def source(self) -> str:
@@ -121,11 +129,23 @@ class BridgePlan:
       param_map: every torch rank's params (``mapping=`` is its old name).
       bucket_bytes: the most bytes one rank sends, or receives, per bucket (its staging memory).
       balance: balance replicated trainer shards across senders (see ``jreshard.plan``).
+      hierarchical: ``"always"``: two-stage delivery wherever a domain holds two replicas of a
+        region (stage 1 sends each byte into each domain once, spread over its replicas;
+        stage 2 completes every replica with point-to-point sends inside the domain);
+        ``"never"``: every rank receives its regions straight from the trainers; ``"auto"``
+        (default): two stages when they carry fewer bytes across domain boundaries than
+        direct delivery, which they do exactly when a domain holds two replicas of a region
+        that its ranks receive from outside it.
+      domains: which ranks share fast links (a node): a ``jreshard.core.domains.Domains``, a
+        list of rank lists, or an int (blocks of that many consecutive global ranks). Ranks
+        left out are domains of their own. Default: blocks of ``LOCAL_WORLD_SIZE`` ranks
+        (torchrun's ranks per node), or one rank per domain when it is not set.
 
     Raises:
-      TypeError: ``source`` or ``param_map`` is of the wrong kind.
+      TypeError: ``source``, ``param_map`` or ``domains`` is of the wrong kind.
       ValueError: a region leaves its leaf, a rank is both trainer and receiver, a param's
-        dtype cannot travel on the wire, or ``bucket_bytes`` is below ``ALIGN``.
+        dtype cannot travel on the wire, ``bucket_bytes`` is below ``ALIGN``, or
+        ``hierarchical`` is not one of ``HIERARCHICAL``.
 
     Example:
       >>> from bridge import BridgePlan, Rule, Source, tp_param_map, trainer_mesh
@@ -138,10 +158,20 @@ class BridgePlan:
        (1000000, 2, '[0:2, 3:6]'), (1000001, 2, '[2:4, 3:6]')]
       >>> p.network_bytes, p.num_buckets, len(p.fingerprint)
       (96, 1, 32)
+
+      Two nodes of two ranks, each rank holding a replicated norm: each node receives it once.
+
+      >>> m = tp_param_map(src, [Rule("w", "norm.weight")], tp_ranks=[[1], [2], [3], [4]])
+      >>> h = BridgePlan(src, m, hierarchical="always", domains=[[1, 2], [3, 4]])
+      >>> h.two_stage, h.cross_domain_bytes, BridgePlan(src, m, hierarchical="never").cross_domain_bytes
+      (True, 192, 384)
+      >>> sorted({(t.stage, t.src_rank, t.dst) for t in h.moves if t.stage == 2})
+      [(2, 1, 2), (2, 2, 1), (2, 3, 4), (2, 4, 3)]
     """
 
     def __init__(self, source: Source, param_map: ParamMap | None = None, *, bucket_bytes: int = 16 << 20,
-                 balance: bool = True, mapping: ParamMap | None = None) -> None:
+                 balance: bool = True, mapping: ParamMap | None = None, hierarchical: str = "auto",
+                 domains: Domains | Sequence[Sequence[int]] | int | None = None) -> None:
         if not isinstance(source, Source):
             raise TypeError(f"source must be a bridge.Source, got {type(source).__name__}.")
         if param_map is None:
@@ -160,12 +190,30 @@ class BridgePlan:
                 f"ranks {sorted(clash)} are both trainer and inference ranks; a process either sends "
                 "(JAX trainer) or receives (torch inference)."
             )
+        if hierarchical not in HIERARCHICAL:
+            raise ValueError(f"hierarchical must be one of {HIERARCHICAL}, got {hierarchical!r}.")
         self.source, self.param_map, self.bucket_bytes, self.balance = source, param_map, bucket_bytes, balance
+        self.hierarchical = hierarchical
+        self.domains = bridge_domains(domains, (*source.ranks, *param_map.ranks))
         self._params = {(p.name, p.rank): p for p in param_map.params}
-        self.jobs: list[Job] = jobs(source, param_map)
+        direct: list[Job] = jobs(source, param_map)
+        first, second = two_stage(direct, self.domains) if hierarchical != "never" else (direct, [])
+        self.jobs = first if second else direct
         self.plan = plan_layouts([(j.name, j.src, j.dst) for j in self.jobs], balance=balance)
-        self.moves = self._moves()
+        self.moves = self._moves(self.jobs, self.plan, 1)
+        if second and hierarchical == "auto":
+            flat = plan_layouts([(j.name, j.src, j.dst) for j in direct], balance=balance)
+            flat_moves = self._moves(direct, flat, 1)
+            if self._crossing(flat_moves) <= self._crossing(self.moves):
+                self.jobs, self.plan, self.moves, second = direct, flat, flat_moves, []
+        #: the stage-2 jobs (region groups completed inside domains), ``[]`` for direct delivery
+        self.stage2_jobs: list[Job] = second
+        self.stage2_plan = plan_layouts([(j.name, j.src, j.dst) for j in second], balance=balance) if second else None
+        if self.stage2_plan is not None:
+            self.moves += self._moves(second, self.stage2_plan, 2)
         self.messages, self.num_buckets = self._bucket()
+        #: the first bucket of stage 2 (every rank unpacks stage 1 before packing it), or ``None``
+        self.stage2_bucket = next((m.bucket for m in self.messages if self.moves[m.pieces[0].move].stage == 2), None)
         self._segments: dict[Message, tuple[Segment, ...]] = {}
         self.fingerprint = self._fingerprint()
         sends: dict[tuple[int, int], list[Message]] = defaultdict(list)
@@ -176,29 +224,38 @@ class BridgePlan:
         self._sends, self._recvs = dict(sends), dict(recvs)
 
     # ---------------------------------------------------------------- construction
-    def _moves(self) -> tuple[ParamMove, ...]:
+    def _moves(self, jobs: list[Job], plan: Any, stage: int) -> tuple[ParamMove, ...]:
         out = []
-        for job in self.jobs:
-            tp = self.plan[job.name]
+        for job in jobs:
+            tp = plan[job.name]
             origin = np.array(job.origin, dtype=np.int64)
             for s, d, lo, hi in zip(tp.move_src, tp.move_dst, tp.move_lo, tp.move_hi, strict=True):
+                if s == d:  # stage 2: a rank's own stage-1 slice is already in place
+                    continue
                 ref = job.regions[int(d)]
                 box = Box.from_bounds((lo + origin).tolist(), (hi + origin).tolist())
                 for part in split_box(box, tp.itemsize, self.bucket_bytes):
                     n = part.size * tp.itemsize
                     if n:
-                        out.append(ParamMove(int(s), int(d), job.leaf, part, ref.param, ref.region, n))
+                        out.append(ParamMove(int(s), int(d), job.leaf, part, ref.param, ref.region, n, stage))
         return tuple(out)
+
+    def _crossing(self, moves: Sequence[ParamMove]) -> int:
+        """Bytes of ``moves`` whose sending and receiving ranks lie in different domains."""
+        return sum(t.nbytes for t in moves if self.domain_of(t.src_rank) != self.domain_of(t.dst))
 
     def _bucket(self) -> tuple[tuple[Message, ...], int]:
         bucket = 0
         send: dict[int, int] = defaultdict(int)
         recv: dict[int, int] = defaultdict(int)
         members: dict[tuple[int, int, int], list[int]] = defaultdict(list)
+        stage = 1
         for i, t in enumerate(self.moves):
             s, d = t.src_rank, t.dst
-            if (send[s] + t.nbytes > self.bucket_bytes or recv[d] + t.nbytes > self.bucket_bytes) and (send or recv):
+            full = send[s] + t.nbytes > self.bucket_bytes or recv[d] + t.nbytes > self.bucket_bytes
+            if (full or t.stage != stage) and (send or recv):  # stage 2 starts a bucket of its own
                 bucket, send, recv = bucket + 1, defaultdict(int), defaultdict(int)
+            stage = t.stage
             send[s] += _aligned(t.nbytes)
             recv[d] += _aligned(t.nbytes)
             members[(bucket, s, d)].append(i)
@@ -213,10 +270,29 @@ class BridgePlan:
 
     def _fingerprint(self) -> bytes:
         body = repr((FORMAT_VERSION, self.source.key(), self.param_map.key(), self.bucket_bytes, self.balance,
-                     tuple(dataclasses.astuple(t) for t in self.moves)))
+                     self.delivery, tuple(dataclasses.astuple(t) for t in self.moves)))
         return hashlib.sha256(body.encode()).digest()
 
     # ---------------------------------------------------------------- queries
+    @property
+    def two_stage(self) -> bool:
+        """Whether this plan delivers hierarchically (stage-2 moves inside domains)."""
+        return self.stage2_plan is not None
+
+    @property
+    def delivery(self) -> str:
+        """How the plan delivers, as the fingerprint and plan comparisons see it."""
+        return f"two stages over {self.domains!r}" if self.two_stage else "direct"
+
+    def domain_of(self, rank: int) -> int:
+        """The domain (node) of a torch rank."""
+        return int(self.domains.of([rank])[0])
+
+    @property
+    def cross_domain_bytes(self) -> int:
+        """Bytes the plan sends between ranks of different domains (stage 2 sends none)."""
+        return self._crossing(self.moves)
+
     @property
     def mapping(self) -> ParamMap:
         """The old name of ``param_map``."""
@@ -258,9 +334,12 @@ class BridgePlan:
         for k, (i, off) in enumerate(m.pieces):
             t = self.moves[i]
             box, perm = self.dst_region(t)
-            region = self.src_region(t)
-            shard = self.source.layout(t.leaf).shard_box(t.src)
-            src_direct = _contiguous([region[p] for p in perm], [shard[p].stop - shard[p].start for p in perm])
+            if t.stage == 1:  # from the trainer's shard, cast and transposed to the param's dim order
+                region = self.src_region(t)
+                shard = self.source.layout(t.leaf).shard_box(t.src)
+                src_direct = _contiguous([region[p] for p in perm], [shard[p].stop - shard[p].start for p in perm])
+            else:  # from the sending rank's own copy of the param
+                src_direct = _contiguous(self.param_box(t, t.src), self.view_of(t, t.src))
             dst_direct = _contiguous(box, self.dst_view(t))
             if src_direct or dst_direct:
                 out.append(Segment(off, off + t.nbytes, k, src_direct, dst_direct))
@@ -277,21 +356,27 @@ class BridgePlan:
                 for s in self.segments(m)]
 
     def src_region(self, t: ParamMove) -> tuple[slice, ...]:
-        """The move's box in the coordinates of its source device's shard."""
+        """The move's box in the coordinates of its source device's shard (stage 1)."""
         return t.box.relative_to(self.source.layout(t.leaf).shard_box(t.src))
+
+    def view_of(self, t: ParamMove, rank: int) -> tuple[int, ...]:
+        """The shape in which ``rank``'s copy of the move's param holds the move's region (its view)."""
+        param = self.param(t.param, rank)
+        return param.regions[t.region].view_shape(param.shape)
 
     def dst_view(self, t: ParamMove) -> tuple[int, ...]:
         """The shape of the param's local tensor in which ``dst_region``'s box lies (its region's view)."""
-        param = self.param(t.param, t.dst)
-        return param.regions[t.region].view_shape(param.shape)
+        return self.view_of(t, t.dst)
+
+    def param_box(self, t: ParamMove, rank: int) -> tuple[slice, ...]:
+        """The move's box in ``rank``'s copy of its param seen as ``view_of(t, rank)``, in torch dim order."""
+        region = self.param(t.param, rank).regions[t.region]
+        return tuple(slice(o + t.box[p].start - region.box[p].start, o + t.box[p].stop - region.box[p].start)
+                     for o, p in zip(region.offset, region.transpose, strict=True))
 
     def dst_region(self, t: ParamMove) -> tuple[tuple[slice, ...], tuple[int, ...]]:
         """(the box in the param's local tensor seen as ``dst_view(t)``, the permutation leaf dims -> torch dims)."""
-        region = self.param(t.param, t.dst).regions[t.region]
-        perm = region.transpose
-        box = tuple(slice(o + t.box[p].start - region.box[p].start, o + t.box[p].stop - region.box[p].start)
-                    for o, p in zip(region.offset, perm, strict=True))
-        return box, perm
+        return self.param_box(t, t.dst), self.param(t.param, t.dst).regions[t.region].transpose
 
     @property
     def network_bytes(self) -> int:
@@ -319,9 +404,36 @@ class BridgePlan:
         return dict(out)
 
     def __repr__(self) -> str:
+        stages = f", {self.delivery}" if self.two_stage else ""
         return (f"BridgePlan({len(self.source)} leaves -> {len(self.param_map)} params, {len(self.moves)} "
-                f"moves, {self.network_bytes:,} B in {self.num_buckets} buckets, "
+                f"moves, {self.network_bytes:,} B in {self.num_buckets} buckets{stages}, "
                 f"fingerprint {self.fingerprint.hex()[:12]})")
+
+
+def bridge_domains(domains: Any, ranks: Sequence[int]) -> Domains:
+    """``domains`` as a ``Domains`` over torch ranks in which every rank of ``ranks`` has a domain.
+
+    ``None``: blocks of ``LOCAL_WORLD_SIZE`` consecutive global ranks (torchrun's ranks per node),
+    or one rank per domain when it is not set. An int: blocks of that many ranks. A list of rank
+    lists or a ``Domains`` from groups: those groups, each rank of ``ranks`` left out in a
+    domain of its own.
+
+    Example:
+      >>> from bridge._plan import bridge_domains
+      >>> bridge_domains([[2, 3], [4, 5]], ranks=[0, 1, 2, 3, 4, 5])
+      Domains.from_groups([[2, 3], [4, 5], [0], [1]])
+    """
+    if domains is None:
+        local = os.environ.get("LOCAL_WORLD_SIZE", "")
+        domains = int(local) if local.isdigit() and int(local) > 0 else 1
+    if isinstance(domains, int) and not isinstance(domains, bool):
+        return Domains.contiguous(domains)
+    if not isinstance(domains, Domains):
+        domains = Domains.from_groups(domains)
+    if domains.block is not None:
+        return domains
+    listed = {r for g in domains.groups for r in g}
+    return Domains.from_groups([*domains.groups, *([r] for r in sorted(set(ranks) - listed))])
 
 
 def _contiguous(box: Any, shape: Any) -> bool:

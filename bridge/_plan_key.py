@@ -18,7 +18,7 @@ __all__ = ["plan_key", "encode", "decode", "describe_difference"]
 
 
 def plan_key(plan: BridgePlan) -> dict[str, Any]:
-    """The inputs of ``plan.fingerprint`` as JSON-ready data: leaves, params, bucket size, balance."""
+    """The inputs of ``plan.fingerprint`` as JSON-ready data: leaves, params, bucket size, balance, delivery."""
     leaves = {path: {"shape": list(lay.shape), "dtype": lay.dtype, "layout": repr(lay)}
               for path, lay in plan.source.items()}
     params = {}
@@ -28,7 +28,7 @@ def plan_key(plan: BridgePlan) -> dict[str, Any]:
             "shape": list(p.shape), "dtype": p.dtype,
             "regions": hashlib.sha256(regions.encode()).hexdigest()[:12]}
     return {"leaves": leaves, "params": params, "bucket_bytes": plan.bucket_bytes, "balance": plan.balance,
-            "moves": len(plan.moves)}
+            "delivery": plan.delivery, "moves": len(plan.moves)}
 
 
 def encode(key: dict[str, Any]) -> bytes:
@@ -73,8 +73,8 @@ def describe_difference(a: dict[str, Any], b: dict[str, Any]) -> str:
     """
     out = _table_difference("leaf", a["leaves"], b["leaves"])
     out += _table_difference("param", a["params"], b["params"])
-    for field in ("bucket_bytes", "balance"):
-        if a[field] != b[field]:
+    for field in ("bucket_bytes", "balance", "delivery"):
+        if a.get(field) != b.get(field):
             out.append(f"{field} {a[field]} vs {b[field]}")
     if not out:  # the inputs agree, so the planners do not: different jreshard versions
         moves = f" ({a['moves']} vs {b['moves']} moves)" if a["moves"] != b["moves"] else ""

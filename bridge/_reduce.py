@@ -21,10 +21,12 @@ import numpy as np
 from bridge._param_map import ParamMap, Region
 from bridge._source import Source
 from jreshard.core.box import Box
+from jreshard.core.domains import Domains
+from jreshard.core.hierarchical import stage_parts
 from jreshard.core.layout import Layout
 from jreshard.core.mesh import Mesh
 
-__all__ = ["RegionRef", "Job", "jobs"]
+__all__ = ["RegionRef", "Job", "jobs", "two_stage"]
 
 
 class RegionRef(NamedTuple):
@@ -126,3 +128,38 @@ def jobs(source: Source, param_map: ParamMap) -> list[Job]:
             cd = Layout(cell.shape, Mesh(sorted(want), "r"), (), dtype)
             out.append(Job(f"{label}@{list(cell.lo)}", path, cell.lo, {r: where[r] for r in want}, cs, cd))
     return out
+
+
+# ---------------------------------------------------------------- hierarchical delivery
+def two_stage(direct: list[Job], domains: Domains) -> tuple[list[Job], list[Job]]:
+    """The jobs of hierarchical delivery: stage 1 (sources -> each domain once) and stage 2 (inside domains).
+
+    Each job's destination is cut by ``jreshard.core.hierarchical.stage_parts``: replicas that
+    lie whole in a domain holding another whole replica receive each byte once per domain in
+    stage 1, spread over them, and stage 2 completes every replica from the others of its
+    domain; stage 2's sources are stage 1's destinations (inference ranks). Both stages plan
+    with ``jreshard.plan_layouts`` and stay exact by its invariants.
+
+    Example:
+      >>> from bridge._reduce import Job, RegionRef, two_stage
+      >>> from jreshard import Layout, Mesh
+      >>> from jreshard.core.domains import Domains
+      >>> src = Layout((8,), Mesh([1000000], "x"), (), "float32")
+      >>> dst = Layout((8,), Mesh([2, 3, 4], "r"), (), "float32")  # three replicas
+      >>> job = Job("0:norm#0", "w", (0,), {r: RegionRef("norm", 0) for r in (2, 3, 4)}, src, dst)
+      >>> s1, s2 = two_stage([job], Domains.from_groups([[2, 3], [4], [1000000]]))  # 2 and 3 share a node
+      >>> [(j.name, j.dst.shard_box(3)) for j in s1 if 3 in j.regions], [j.name for j in s2]
+      ([('0:norm#0@domain0', (slice(4, 8, None),))], ['0:norm#0@domain0'])
+    """
+    first: list[Job] = []
+    second: list[Job] = []
+    for job in direct:
+        parts = stage_parts(job.dst, domains)
+        for part, l1, target in parts:
+            name = job.name if len(parts) == 1 and target is None else f"{job.name}@{part}"
+            first.append(dataclasses.replace(job, name=name, dst=l1,
+                                             regions={r: job.regions[r] for r in l1.mesh.device_ids}))
+            if target is not None:
+                second.append(dataclasses.replace(job, name=name, src=l1, dst=target,
+                                                  regions={r: job.regions[r] for r in target.mesh.device_ids}))
+    return first, second

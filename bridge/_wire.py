@@ -268,7 +268,8 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
              ready_timeout: float, pack: Callable[[Message, torch.Tensor], list[torch.Tensor]],
              recv: Callable[[Message, torch.Tensor], list[torch.Tensor]],
              unpack: Callable[[Message, torch.Tensor], None], progress: bool | None = None,
-             device: torch.device | str = "cpu", arena: list | None = None, checksum: bool = True) -> int:
+             device: torch.device | str = "cpu", arena: list | None = None, checksum: bool = True,
+             stats: dict[str, float] | None = None) -> int:
     """Runs the protocol for one rank; returns the agreed version. Raises SyncError on any failure.
 
     Per message, ``pack(m, buf)`` returns the tensors to send, one per segment of
@@ -278,6 +279,13 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
     pass the same ``arena`` (``[[None, None], [None, None]]``) to every sync to reuse them.
     ``timeout`` bounds everything after the handshake (every bucket and the final ack) as one
     deadline; ``checksum`` makes this rank announce a digest of every piece it sends.
+
+    In a two-stage plan (``plan.stage2_bucket``) inference ranks also send: before packing the
+    first stage-2 bucket every rank waits for and unpacks the last stage-1 bucket, so what a
+    rank forwards inside its domain has arrived. ``stats`` (cleared, then filled) receives this
+    rank's bytes sent and received, those across a domain boundary (``plan.domain_of``), counted
+    from the operations posted, and the seconds spent in each step: ``pack`` (including
+    ``recv``), ``vote``, ``post``, ``wait``, ``check`` (digests of received pieces), ``unpack``.
     """
     ranks = _group_ranks(group)
     if rank not in ranks:
@@ -289,8 +297,17 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
             "group of exactly the trainer and inference ranks (torch.distributed.new_group)."
         )
     start = time.perf_counter()
+    tally: dict[str, float] = dict.fromkeys(
+        ("sent", "received", "cross_domain_sent", "cross_domain_received", "pack", "vote", "post", "wait", "check",
+         "unpack", "handshake", "seconds"), 0.0)
+    if stats is not None:
+        stats.clear()
+        stats.update(tally)
+        tally = stats
     version = _handshake(plan, rank, ranks, group, role, status, version, time.monotonic() + ready_timeout)
     deadline = time.monotonic() + timeout
+    tally["handshake"] = time.perf_counter() - start
+    home = plan.domain_of(rank)
     if arena is None:
         arena = new_arena()  # [send|recv][parity] uint8 buffers of up to bucket_bytes
 
@@ -323,6 +340,12 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
 
     def post(state: _Bucket, b: int) -> list:
         ops = [dist.P2POp(op.fn, op.buf, op.peer, group) for op in state.ops]
+        for op in state.ops:
+            n = op.buf.numel() * op.buf.element_size()
+            way = "sent" if op.fn is dist.isend else "received"
+            tally[way] += n
+            if plan.domain_of(op.peer) != home:
+                tally["cross_domain_" + way] += n
         try:
             return dist.batch_isend_irecv(ops) if ops else []
         except RuntimeError as e:  # gloo fails at once when a peer's connection is already closed
@@ -375,31 +398,52 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
     cur: _Bucket | None = None
     works: list = []
     expected: dict[tuple[int, int], int] = {}
+    clock = time.perf_counter
+
+    def timed(step: str, fn: Callable[..., Any], *args: Any) -> Any:
+        t0 = clock()
+        try:
+            return fn(*args)
+        finally:
+            tally[step] += clock() - t0
+
+    def wait_all(works: list, state: _Bucket | None, b: int) -> None:
+        for w, op in zip(works, state.ops if state is not None else list[_Op](), strict=True):
+            _wait(w, deadline, f"bucket {b}/{nb} with peer rank {op.peer}", rank)
+
+    def received(works: list, state: _Bucket | None, b: int, mine: Status, expected: dict) -> Status:
+        """Waits for bucket ``b - 1`` (``state``) and checks its digests."""
+        timed("wait", wait_all, works, state, b)
+        if state is not None and mine.code == Code.OK:
+            mine = timed("check", check, state, b - 1, expected)
+        return mine
+
     try:
         # Bucket b+1 is packed while bucket b is on the wire, and bucket b is unpacked while
         # bucket b+1 is. Each bucket's payload is posted only after every rank voted for it.
         for b in range(nb + 1):
+            if b == plan.stage2_bucket:  # stage 2 forwards what stage 1 delivered: finish stage 1 first
+                mine = received(works, cur, b, mine, expected)
+                mine = timed("unpack", unpack_all, cur, b - 1, mine)
+                cur, works = None, []
             nxt = None
             if b < nb and mine.code == Code.OK:
                 try:
-                    nxt = prepare(b)
+                    nxt = timed("pack", prepare, b)
                 except Exception as e:  # announced in this bucket's vote
                     mine = failed(b, e)
-            for w, op in zip(works, cur.ops if cur is not None else list[_Op](), strict=True):
-                _wait(w, deadline, f"bucket {b}/{nb} with peer rank {op.peer}", rank)
-            if cur is not None and mine.code == Code.OK:
-                mine = check(cur, b - 1, expected)
+            mine = received(works, cur, b, mine, expected)
             if b == nb:  # the last bucket is unpacked before the final ack, so a failure there is announced
-                mine = unpack_all(cur, b - 1, mine)
-            new_expected = vote(b, nxt, mine)
-            works = post(nxt, b) if nxt is not None else []
+                mine = timed("unpack", unpack_all, cur, b - 1, mine)
+            new_expected = timed("vote", vote, b, nxt, mine)
+            works = timed("post", post, nxt, b) if nxt is not None else []
             if b < nb:
-                mine = unpack_all(cur, b - 1, mine)
+                mine = timed("unpack", unpack_all, cur, b - 1, mine)
             cur, expected = nxt, new_expected
     finally:
         if bar is not None:
             bar.close()
-    elapsed = time.perf_counter() - start
+    elapsed = tally["seconds"] = time.perf_counter() - start
     nbytes = sum(m.nbytes for m in plan.messages if rank in (m.src, m.dst))
     log.info("rank %d synced version %d: %s bytes in %d buckets, %.3f s (%.2f GB/s, pid %d)",
              rank, version, f"{nbytes:,}", plan.num_buckets, elapsed, nbytes / max(elapsed, 1e-9) / 1e9, os.getpid())

@@ -26,7 +26,7 @@ from bridge._dtensor import dtensor_params
 from bridge._param_map import Param, ParamMap
 from bridge._plan import BridgePlan, Message
 from bridge._source import Source
-from bridge._wire import RECEIVER, SyncError, check_plan_and_rank, new_arena, reject_sync, run_sync, torch_dtype
+from bridge._wire import RECEIVER, check_plan_and_rank, new_arena, reject_sync, run_sync, torch_dtype
 
 __all__ = ["Receiver", "dtensor_param_map", "dtensor_mapping"]
 
@@ -128,6 +128,16 @@ class _Steps(NamedTuple):
     unpacks: list[_Unpack]
 
 
+class _Forward(NamedTuple):
+    """One send of a stage-2 message: ``param.view(view)[box]`` as it is (``direct``), or the
+    ``pieces`` (unpacking copies run backwards) packed into buffer bytes ``[start, stop)``."""
+
+    start: int
+    stop: int
+    direct: _Unpack | None
+    pieces: list[_Unpack]
+
+
 class Receiver:
     """Receives syncs into this rank's torch parameters.
 
@@ -151,8 +161,15 @@ class Receiver:
         by the process group's timeout).
       progress: show a tqdm bar (``None``: for syncs over 1 GiB on a terminal).
 
+    In a two-stage plan (``BridgePlan(..., hierarchical=...)``) this rank also forwards, in
+    stage 2, the slices it received in stage 1 to the ranks of its domain that need them, from
+    its shadow copy (or the params when ``atomic=False``); nothing is committed before the final
+    ack, so a failure in stage 2 leaves every receiver's weights unchanged.
+
     Attributes:
       version: the training step of the weights now in ``params`` (``None`` before the first sync).
+      stats: of the last sync (also a failed one): bytes sent and received, those across a
+        domain boundary, and seconds per step (see ``bridge._wire.run_sync``).
     """
 
     def __init__(self, plan: BridgePlan, params: Mapping[str, Any], *, rank: int | None = None,
@@ -200,6 +217,8 @@ class Receiver:
         # parameters before each sync.
         self._uncovered = {p.name: boxes for p in mine if (boxes := _uncovered(p))}
         self._steps = self._compile()
+        self._forwards = self._compile_forwards()
+        self.stats: dict[str, float] = {}
 
     def _compile(self) -> dict[tuple[int, int], _Steps]:
         """Per (bucket, sender rank): the receives and unpacking copies of its message."""
@@ -207,13 +226,7 @@ class Receiver:
         for m in self.plan.messages:
             if m.dst != self.rank:
                 continue
-            unpacks = []
-            for i, off in m.pieces:
-                t = self.plan.moves[i]
-                box, _ = self.plan.dst_region(t)  # pieces arrive in torch dim order
-                dtype = torch_dtype(self.plan.param(t.param, t.dst).dtype)
-                unpacks.append(_Unpack(t.param, box, off, t.nbytes, tuple(s.stop - s.start for s in box), dtype,
-                                       self.plan.dst_view(t)))
+            unpacks = [self._piece(i, off, self.rank) for i, off in m.pieces]
             recvs, direct = [], set()
             for seg in self.plan.segments(m):
                 if seg.dst_direct and seg.piece is not None:  # straight into the param: no unpacking
@@ -223,6 +236,38 @@ class Receiver:
                 else:
                     recvs.append(_Recv(None, None, seg.start, seg.stop))
             out[(m.bucket, m.src)] = _Steps(recvs, [u for k, u in enumerate(unpacks) if k not in direct])
+        return out
+
+    def _piece(self, i: int, off: int, rank: int) -> _Unpack:
+        """Plan move ``i`` at byte ``off`` of its message, as a block of ``rank``'s copy of its param."""
+        t = self.plan.moves[i]
+        box = self.plan.param_box(t, rank)  # pieces travel in torch dim order
+        dtype = torch_dtype(self.plan.param(t.param, rank).dtype)
+        return _Unpack(t.param, box, off, t.nbytes, tuple(s.stop - s.start for s in box), dtype,
+                       self.plan.view_of(t, rank))
+
+    def _compile_forwards(self) -> dict[tuple[int, int], list[_Forward]]:
+        """Per (bucket, receiving rank): the sends of this rank's stage-2 message, one per segment."""
+        out: dict[tuple[int, int], list[_Forward]] = {}
+        for m in self.plan.messages:
+            if m.src != self.rank:
+                continue
+            sends = []
+            for seg, members in zip(self.plan.segments(m), self.plan.segment_pieces(m), strict=True):
+                pieces = [self._piece(i, off, self.rank) for i, off in members]
+                sends.append(_Forward(seg.start, seg.stop, pieces[0] if seg.src_direct else None, pieces))
+            out[(m.bucket, m.dst)] = sends
+        return out
+
+    def _forward(self, into: dict[str, torch.Tensor], m: Message, buf: torch.Tensor) -> list[torch.Tensor]:
+        out = []
+        for f in self._forwards[(m.bucket, m.dst)]:
+            if f.direct is not None:  # one contiguous block of this rank's copy: sent as it is
+                out.append(into[f.direct.param].view(f.direct.view)[f.direct.box].reshape(-1).view(torch.uint8))
+                continue
+            for u in f.pieces:
+                buf[u.offset:u.offset + u.nbytes].view(u.dtype).view(u.shape).copy_(into[u.param].view(u.view)[u.box])
+            out.append(buf[f.start:f.stop])
         return out
 
     def _recv(self, into: dict[str, torch.Tensor], m: Message, buf: torch.Tensor) -> list[torch.Tensor]:
@@ -261,10 +306,10 @@ class Receiver:
         if not self.atomic:
             self.consistent = False
         version = run_sync(self.plan, self.rank, group, role=RECEIVER, version=-1, status=0, timeout=self.timeout,
-                           ready_timeout=self.ready_timeout, pack=_no_pack,
+                           ready_timeout=self.ready_timeout, pack=lambda m, buf: self._forward(into, m, buf),
                            recv=lambda m, buf: self._recv(into, m, buf),
                            unpack=lambda m, buf: self._unpack(into, m, buf), progress=self.progress,
-                           device=next(iter(self.params.values())).device, arena=self._arena)
+                           device=next(iter(self.params.values())).device, arena=self._arena, stats=self.stats)
         if self.atomic:
             with torch.no_grad():
                 for name, dst in list(self.params.items()):
@@ -310,6 +355,3 @@ def _uncovered(param: Param) -> list[tuple[tuple[int, ...], tuple[slice, ...]]]:
             out.append((view, tuple(slice(lo, hi) for lo, hi in cell)))
     return out
 
-
-def _no_pack(m: Message, buf: torch.Tensor) -> list[torch.Tensor]:
-    raise SyncError(f"a receiver was asked to send (message {m}); the plan is inconsistent.")

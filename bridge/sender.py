@@ -137,6 +137,10 @@ class Sender:
       progress: show a tqdm bar (``None``: for syncs over 1 GiB on a terminal).
       checksum: announce an xxh3-64 digest of every piece sent, which receivers check before
         committing (host memory only; see docs/reliability.md for its cost).
+
+    Attributes:
+      stats: of the last sync: bytes sent, those across a domain boundary, and seconds per step
+        (see ``bridge._wire.run_sync``).
     """
 
     def __init__(self, plan: BridgePlan, *, rank: int | None = None, timeout: float = 60.0,
@@ -184,6 +188,7 @@ class Sender:
         for key, where in last_use.items():
             self._release.setdefault(where, []).append(key)
         self._arena = new_arena()  # bucket buffers, reused across syncs
+        self.stats: dict[str, float] = {}
 
     def _shards(self, params: Any) -> dict[tuple[str, int], Any]:
         """This process's single-device shards, keyed by (leaf path, source id); checks their layouts."""
@@ -274,7 +279,7 @@ class Sender:
         return run_sync(self.plan, self.rank, group, role=SENDER, version=version, status=0, timeout=self.timeout,
                         ready_timeout=self.ready_timeout, pack=lambda m, buf: self._pack(shards, cache, m, buf),
                         recv=_no_unpack, unpack=_no_unpack, progress=self.progress, device=_torch_device(shards),
-                        arena=self._arena, checksum=self.checksum)
+                        arena=self._arena, checksum=self.checksum, stats=self.stats)
 
 
 def _torch_device(shards: dict) -> torch.device:

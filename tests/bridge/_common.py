@@ -9,7 +9,9 @@ import os
 import signal
 import socket
 import subprocess
+import time
 from collections.abc import Iterable
+from pathlib import Path
 
 import numpy as np
 
@@ -44,6 +46,24 @@ def kill_all(procs: Iterable[subprocess.Popen]) -> None:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait(10)
+
+
+def wait_all(procs: Iterable[subprocess.Popen], limit: float) -> None:
+    """Waits for every worker within one deadline ``limit`` seconds away, then kills what is left."""
+    procs = list(procs)
+    deadline = time.monotonic() + limit
+    try:
+        for p in procs:
+            p.wait(max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        kill_all(procs)
+
+
+def read_logs(out: Path, pattern: str = "*.log", tail: int = 2000) -> str:
+    """The last ``tail`` characters of every worker log under ``out``, for assertion messages."""
+    return "\n".join(f"--- {f.name}\n{f.read_text()[-tail:]}" for f in sorted(out.glob(pattern)))
 
 
 def source_for(config: LlamaConfig, mesh_shape=(4,), axes=("fsdp",), ranks=TRAINERS, per: int = 2, spec=fsdp_spec):
