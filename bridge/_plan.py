@@ -137,9 +137,12 @@ class BridgePlan:
         direct delivery, which they do exactly when a domain holds two replicas of a region
         that its ranks receive from outside it.
       domains: which ranks share fast links (a node): a ``jreshard.core.domains.Domains``, a
-        list of rank lists, or an int (blocks of that many consecutive global ranks). Ranks
-        left out are domains of their own. Default: blocks of ``LOCAL_WORLD_SIZE`` ranks
-        (torchrun's ranks per node), or one rank per domain when it is not set.
+        list of rank lists, an int (blocks of that many consecutive global ranks) or
+        ``"local"`` (blocks of ``LOCAL_WORLD_SIZE`` ranks, torchrun's ranks per node). Ranks
+        left out are domains of their own. Default ``None``: one rank per domain, so
+        ``"auto"`` delivers directly; the environment is read only with ``"local"`` (vLLM sets
+        ``LOCAL_WORLD_SIZE`` in its own workers, so a default taken from it could differ
+        between a trainer and its inference ranks).
 
     Raises:
       TypeError: ``source``, ``param_map`` or ``domains`` is of the wrong kind.
@@ -171,7 +174,7 @@ class BridgePlan:
 
     def __init__(self, source: Source, param_map: ParamMap | None = None, *, bucket_bytes: int = 16 << 20,
                  balance: bool = True, mapping: ParamMap | None = None, hierarchical: str = "auto",
-                 domains: Domains | Sequence[Sequence[int]] | int | None = None) -> None:
+                 domains: Domains | Sequence[Sequence[int]] | int | str | None = None) -> None:
         if not isinstance(source, Source):
             raise TypeError(f"source must be a bridge.Source, got {type(source).__name__}.")
         if param_map is None:
@@ -413,10 +416,10 @@ class BridgePlan:
 def bridge_domains(domains: Any, ranks: Sequence[int]) -> Domains:
     """``domains`` as a ``Domains`` over torch ranks in which every rank of ``ranks`` has a domain.
 
-    ``None``: blocks of ``LOCAL_WORLD_SIZE`` consecutive global ranks (torchrun's ranks per node),
-    or one rank per domain when it is not set. An int: blocks of that many ranks. A list of rank
-    lists or a ``Domains`` from groups: those groups, each rank of ``ranks`` left out in a
-    domain of its own.
+    ``None``: one rank per domain. ``"local"``: blocks of ``LOCAL_WORLD_SIZE`` consecutive global
+    ranks (torchrun's ranks per node). An int: blocks of that many ranks. A list of rank lists
+    or a ``Domains`` from groups: those groups, each rank of ``ranks`` left out in a domain of
+    its own.
 
     Example:
       >>> from bridge._plan import bridge_domains
@@ -424,12 +427,22 @@ def bridge_domains(domains: Any, ranks: Sequence[int]) -> Domains:
       Domains.from_groups([[2, 3], [4, 5], [0], [1]])
     """
     if domains is None:
+        domains = 1
+    elif domains == "local":
         local = os.environ.get("LOCAL_WORLD_SIZE", "")
-        domains = int(local) if local.isdigit() and int(local) > 0 else 1
-    if isinstance(domains, int) and not isinstance(domains, bool):
-        return Domains.contiguous(domains)
-    if not isinstance(domains, Domains):
-        domains = Domains.from_groups(domains)
+        if not (local.isdigit() and int(local) > 0):
+            raise ValueError(f"domains='local' reads LOCAL_WORLD_SIZE (ranks per node), which is {local!r} here; "
+                             "set it on every process, or pass domains= as rank lists or ranks per node.")
+        domains = int(local)
+    elif isinstance(domains, str):
+        raise ValueError(f"domains must be 'local', rank lists, an int or a Domains, got {domains!r}.")
+    try:
+        if isinstance(domains, int) and not isinstance(domains, bool):
+            return Domains.contiguous(domains)
+        if not isinstance(domains, Domains):
+            domains = Domains.from_groups(domains)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"domains (ranks sharing fast links): {e}") from None
     if domains.block is not None:
         return domains
     listed = {r for g in domains.groups for r in g}
