@@ -31,6 +31,7 @@ Usage: python benchmarks/cluster_bench.py [--parts abc --reps 3 --rate-mbit 400 
 from __future__ import annotations
 
 import argparse
+import importlib
 import inspect
 import json
 import os
@@ -95,19 +96,27 @@ def bridge_worker(a) -> None:
     plans = _bridge_plans(a)
     bridge.init_group(rank, len(TRAINERS) + len(RECEIVERS), port=a.port, host=a.master, timeout=600)
 
-    def timed(fn) -> tuple[float, int]:
+    def timed(fn, stats: dict) -> tuple[float, int, int]:
+        """Seconds of the slowest rank, cross-node bytes counted by the kernel and by the executors."""
         dist.barrier()
         c0, t0 = _tx_bytes(), time.perf_counter()
         fn()
         dt = time.perf_counter() - t0
         dist.barrier()
         t = torch.tensor([dt], dtype=torch.float64)
-        n = torch.tensor([_tx_bytes() - c0 if count else 0], dtype=torch.int64)
+        n = torch.tensor([_tx_bytes() - c0 if count else 0, int(stats.get("cross_domain_sent", 0))],
+                         dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         dist.all_reduce(n)
-        return float(t.item()), int(n.item())
+        return float(t.item()), int(n[0]), int(n[1])
 
-    results: dict = {m: {"times": [], "bytes": []} for m in plans}
+    results: dict = {m: {"times": [], "bytes": [], "counted": []} for m in plans}
+
+    def record(m: str, rep: int, measured: tuple[float, int, int]) -> None:
+        if rep:  # the first repetition warms up
+            for key, v in zip(("times", "bytes", "counted"), measured, strict=True):
+                results[m][key].append(v)
+
     if rank in TRAINERS:
         import jax
         from jax.sharding import NamedSharding, PartitionSpec as P
@@ -126,12 +135,9 @@ def bridge_worker(a) -> None:
             sharding = NamedSharding(mesh, P(*fsdp_spec(path, host.shape)))
             params[path] = jax.make_array_from_callback(host.shape, sharding, lambda idx, h=host: h[idx])
         senders = {m: Sender(p, rank=rank, timeout=600) for m, p in plans.items()}
-        for rep in range(a.reps + 1):  # the first repetition warms up
+        for rep in range(a.reps + 1):
             for m, s in senders.items():
-                t, n = timed(lambda s=s, rep=rep: s.sync(params, version=rep + 1))
-                if rep:
-                    results[m]["times"].append(t)
-                    results[m]["bytes"].append(n)
+                record(m, rep, timed(lambda s=s, rep=rep: s.sync(params, version=rep + 1), getattr(s, "stats", {})))
     else:
         outs = {}
         receivers = {}
@@ -141,10 +147,7 @@ def bridge_worker(a) -> None:
             receivers[m] = bridge.Receiver(p, outs[m], rank=rank, timeout=600)
         for rep in range(a.reps + 1):
             for m, r in receivers.items():
-                t, n = timed(r.sync)
-                if rep:
-                    results[m]["times"].append(t)
-                    results[m]["bytes"].append(n)
+                record(m, rep, timed(r.sync, getattr(r, "stats", {})))
         first = outs[MODES[0]]
         same = all(torch.equal(first[k], o[k]) for o in outs.values() for k in first)
         nonzero = all(bool(v.any()) for v in first.values())
@@ -186,7 +189,9 @@ def transfer_worker(a) -> None:
                                                     dtype=np.float32)
         target[name] = NamedSharding(serve, P())
     modes = MODES if "hierarchical" in inspect.signature(jreshard.transfer).parameters else ("never",)
-    results: dict = {m: {"times": [], "bytes": []} for m in modes}
+    # What the executor counted it sent across domains (this process's senders), where it counts.
+    last_stats = getattr(importlib.import_module("jreshard.jax_executor.transfer"), "last_transfer_stats", None)
+    results: dict = {m: {"times": [], "bytes": [], "counted": [], "delivery": ""} for m in modes}
     outs = {}
     for rep in range(a.reps + 1):
         for m in modes:
@@ -199,6 +204,10 @@ def transfer_worker(a) -> None:
             if rep:
                 results[m]["times"].append(dt)
                 results[m]["bytes"].append(_tx_bytes() - c0 if a.count_bytes else 0)
+                stats = last_stats() if last_stats else None
+                if stats is not None:
+                    results[m]["counted"].append(stats.cross_domain_bytes)
+                    results[m]["delivery"] = stats.delivery
     exact = True
     for i, (name, shape) in enumerate(shapes.items()):
         want = np.random.default_rng(i).standard_normal(shape, dtype=np.float32)
@@ -321,9 +330,13 @@ def _report(title: str, res: dict, plan_bytes: dict, pred: dict | None) -> None:
     for m, r in res.items():
         name = {"never": "direct", "always": "hierarchical"}[m]
         kb = statistics.median(r["bytes"])
-        planned = f"{plan_bytes[m] / 1e6:7.2f} MB" if m in plan_bytes else "n/a"
+        planned = f"plan {plan_bytes[m] / 1e6:.2f} MB" if m in plan_bytes else ""
+        if r.get("counted"):
+            planned += (", " if planned else "") + f"executor {statistics.median(r['counted']) / 1e6:.2f} MB"
+        if r.get("delivery"):
+            name += f" ({r['delivery']})" if r["delivery"] != name else ""
         line = (f"  {name:<13} median {med[m] * 1e3:8.1f} ms (runs {', '.join(f'{t * 1e3:.0f}' for t in r['times'])}); "
-                f"cross-node bytes: kernel {kb / 1e6:7.2f} MB, plan {planned}")
+                f"cross-node bytes: kernel {kb / 1e6:.2f} MB, {planned}")
         if pred is not None:
             line += (f"; predicted {pred[m] * 1e3:7.1f} ms ({pred[m + '_bytes'] / 1e6:.2f} MB), "
                      f"predicted / measured {pred[m] / med[m]:.2f}")
@@ -409,7 +422,10 @@ def main() -> None:
             rs = run_transfer(a, cluster)
             modes = list(rs[0]["results"])
             merged = {m: {"times": [max(r["results"][m]["times"][i] for r in rs) for i in range(a.reps)],
-                          "bytes": [sum(r["results"][m]["bytes"][i] for r in rs) for i in range(a.reps)]}
+                          "bytes": [sum(r["results"][m]["bytes"][i] for r in rs) for i in range(a.reps)],
+                          "counted": [sum(r["results"][m]["counted"][i] for r in rs)
+                                      for i in range(len(rs[0]["results"][m]["counted"]))],
+                          "delivery": rs[0]["results"][m]["delivery"]}
                       for m in modes}
             nb = rs[0]["network_bytes"]
             _report(f"\n(b) jreshard.transfer: 4 JAX processes x 2 devices (one per node, gloo), "
