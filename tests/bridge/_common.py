@@ -66,6 +66,22 @@ def read_logs(out: Path, pattern: str = "*.log", tail: int = 2000) -> str:
     return "\n".join(f"--- {f.name}\n{f.read_text()[-tail:]}" for f in sorted(out.glob(pattern)))
 
 
+def cross_node_lower_bound(plan, nodes, itemsize: int) -> int:
+    """Bytes into nodes if each leaf element needed on a node crosses into it once (from the param
+    map's regions, not from the plan's moves): the lower bound of hierarchical delivery."""
+    total = 0
+    for node in nodes:
+        for path, layout in plan.source.items():
+            need = np.zeros(layout.shape, dtype=bool)
+            for q in plan.param_map.params:
+                if q.rank in node:
+                    for r in q.regions:
+                        if r.leaf == path:
+                            need[r.box.slices()] = True
+            total += int(need.sum()) * itemsize
+    return total
+
+
 def source_for(config: LlamaConfig, mesh_shape=(4,), axes=("fsdp",), ranks=TRAINERS, per: int = 2, spec=fsdp_spec):
     """The trainer Source of ``config``'s flax leaves (default: FSDP over 2 processes x 2 devices)."""
     import bridge

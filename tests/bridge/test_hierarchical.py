@@ -161,21 +161,6 @@ def _run(out: Path) -> dict:
             "rc_restart": [q.returncode for q in extra], "out": out}
 
 
-def _lower_bound(plan) -> int:
-    """Each leaf element once per node whose ranks hold it (from the param map, not the plan's moves)."""
-    total = 0
-    for node in NODES:
-        for path, layout in plan.source.items():
-            need = np.zeros(layout.shape, dtype=bool)
-            for q in plan.param_map.params:
-                if q.rank in node:
-                    for r in q.regions:
-                        if r.leaf == path:
-                            need[r.box.slices()] = True
-            total += int(need.sum()) * 2  # bfloat16 on the wire
-    return total
-
-
 def test_two_stage_sync_over_nodes(tmp_path):
     import ml_dtypes
 
@@ -205,7 +190,7 @@ def test_two_stage_sync_over_nodes(tmp_path):
         sent = sum(s["cross_domain_sent"] for s in stats)
         assert sent == sum(s["cross_domain_received"] for s in stats) == p[mode].cross_domain_bytes, phase
         assert sum(s["sent"] for s in stats) == p[mode].network_bytes
-    lower = _lower_bound(p["always"])
+    lower = C.cross_node_lower_bound(p["always"], NODES, 2)  # bfloat16 on the wire
     assert p["always"].cross_domain_bytes == lower
     # Direct: every byte crosses, once per rank that needs it (two TP2 replicas per node, four norm copies).
     assert p["never"].cross_domain_bytes == p["never"].network_bytes > 2 * lower

@@ -272,3 +272,71 @@ def test_receiver_rejects_wrong_params():
         bridge.Receiver(p, half, rank=2)
     with pytest.raises(ValueError, match="no params"):
         bridge.Receiver(p, params, rank=7)
+
+
+HIER_CASES = [
+    # name, config overrides, tp groups, nodes (inference ranks sharing fast links)
+    ("tp2x4-replicas-two-nodes", {"vocab_size": 1000}, [[2, 3], [4, 5], [6, 7], [8, 9]], [[2, 3, 4, 5], [6, 7, 8, 9]]),
+    ("tp8-kv-heads-replicated", {}, list(range(4, 12)), [[4, 5, 6, 7], [8, 9, 10, 11]]),
+    ("replicas-split-across-nodes", {"vocab_size": 1000}, [[2, 3], [4, 5], [6, 7]], [[2, 3, 4], [5, 6, 7]]),
+]
+
+
+@pytest.mark.parametrize("case", HIER_CASES, ids=[c[0] for c in HIER_CASES])
+def test_two_stage_plans_are_exact_stay_inside_nodes_and_reach_the_lower_bound(case):
+    _, over, tp_groups, nodes = case
+    cfg = LlamaConfig.load("llama-tiny", num_hidden_layers=1, **over)
+    src = _source(cfg)
+    m = bridge.llama_param_map(cfg, src, tp_groups, fused=True, vocab_pad=64, dtype="bfloat16")
+    direct = bridge.BridgePlan(src, m, bucket_bytes=64 << 10, hierarchical="never", domains=nodes)
+    two = bridge.BridgePlan(src, m, bucket_bytes=64 << 10, hierarchical="always", domains=nodes)
+    assert two.two_stage and not direct.two_stage
+    assert bridge.BridgePlan(src, m, bucket_bytes=64 << 10, domains=nodes).fingerprint == two.fingerprint  # auto
+    assert not bridge.BridgePlan(src, m, bucket_bytes=64 << 10).two_stage  # no domains given: direct
+    arrays = C.make_arrays(cfg, seed=7)
+    got, want = two.reference(arrays), direct.reference(arrays)
+    for r in want:
+        for name in want[r]:
+            np.testing.assert_array_equal(got[r][name], want[r][name], err_msg=f"{name} on rank {r}")
+    # Every element written once; a stage-2 move forwards only what its sender got in stage 1, inside a node.
+    written = {(q.rank, q.name): np.zeros(q.shape, np.int32) for q in m.params}
+    stage1 = {(q.rank, q.name): np.zeros(q.shape, bool) for q in m.params}
+    node_of = {r: k for k, node in enumerate(nodes) for r in node}
+    for t in sorted(two.moves, key=lambda t: t.stage):
+        box, _ = two.dst_region(t)
+        written[(t.dst, t.param)].reshape(two.dst_view(t))[box] += 1
+        if t.stage == 1:
+            stage1[(t.dst, t.param)].reshape(two.dst_view(t))[box] = True
+        else:
+            assert node_of[t.src] == node_of[t.dst], t
+            assert stage1[(t.src, t.param)].reshape(two.view_of(t, t.src))[two.param_box(t, t.src)].all(), t
+    for q in m.params:
+        covered = np.zeros(q.shape, np.int32)
+        for r in q.regions:
+            covered.reshape(r.view_shape(q.shape))[tuple(slice(o, o + n) for o, n in zip(r.offset, r.shape,
+                                                                                          strict=True))] = 1
+        np.testing.assert_array_equal(written[(q.rank, q.name)], covered, err_msg=q.name)
+    # Bytes into nodes: each needed element once per node where whole replicas share a node.
+    lower = C.cross_node_lower_bound(two, nodes, 2)
+    assert direct.cross_domain_bytes == direct.network_bytes > two.cross_domain_bytes >= lower
+    if all(all(node_of[r] == node_of[g[0]] for r in g) for g in np.atleast_2d(tp_groups)):
+        assert two.cross_domain_bytes == lower
+    # Stage-2 segments flag pieces contiguous in the forwarding rank's param (packed otherwise).
+    for msg in [x for x in two.messages if x.bucket >= two.stage2_bucket]:
+        for seg, members in zip(two.segments(msg), two.segment_pieces(msg), strict=True):
+            t = two.moves[members[0].move]
+            ok = _consecutive(two.view_of(t, t.src), two.param_box(t, t.src))
+            assert seg.src_direct == (seg.piece is not None and ok)
+
+
+@pytest.mark.parametrize(("kw", "exc", "match"), [
+    ({"hierarchical": "sometimes"}, ValueError, "hierarchical must be one of"),
+    ({"domains": "nodes"}, ValueError, "domains must be 'local'"),
+    ({"domains": [[2, 3], [3]]}, ValueError, "domains .*device 3 is in groups"),
+    ({"domains": 2.5}, TypeError, "domains"),
+])
+def test_hierarchical_bad_arguments(kw, exc, match):
+    cfg = C.small_config()
+    src = _source(cfg)
+    with pytest.raises(exc, match=match):
+        bridge.BridgePlan(src, bridge.llama_param_map(cfg, src, [2, 3]), **kw)
