@@ -19,8 +19,6 @@ import dataclasses
 import logging
 from typing import Any
 
-import torch.distributed as dist
-
 from bridge._plan import BridgePlan
 from bridge._wire import PlanMismatchError, SyncError
 from bridge.sender import Sender, describe
@@ -39,13 +37,6 @@ class SyncReport:
 
     version: int
     bytes_received: dict[int, int]
-
-
-def _ensure_torch_distributed() -> None:
-    # bridge._wire checks torch.distributed.is_initialized() even when it is given a group; a JAX
-    # trainer has no default group, so it gets a private one-rank group (no network, no peers).
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
 class VLLMWeightSync:
@@ -102,7 +93,6 @@ class VLLMWeightSync:
           PlanMismatchError: the leaves and recipe do not match the engine (every rank refuses).
           SyncError: a worker failed to join or to set up; see the engine's log.
         """
-        _ensure_torch_distributed()
         source = describe(params, list(range(self.trainers)))
         info = {"master_address": self.host, "master_port": self.port, "trainer_world_size": self.trainers,
                 "world_size": self.world_size, "timeout": self.timeout, "ready_timeout": self.ready_timeout}

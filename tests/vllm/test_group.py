@@ -1,0 +1,41 @@
+"""The sync's own group: the wire names its ranks without a default process group (torch only)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from bridge._wire import SyncError, _group_ranks
+from bridge.vllm._group import all_gather_json, close_group, open_group
+
+
+@pytest.fixture
+def no_default_group():
+    if dist.is_initialized():
+        pytest.skip("this process already has a default group")
+    yield
+    assert not dist.is_initialized()
+
+
+def test_a_group_from_open_group_needs_no_default_group(no_default_group):
+    pg = open_group("127.0.0.1", 0, 0, 1, timeout=10)  # port 0: the store picks a free one
+    try:
+        assert _group_ranks(pg) == [0]
+        assert all_gather_json({"rank": 0}, pg, timeout=10, what="a test") == [{"rank": 0}]
+    finally:
+        close_group(pg)
+
+
+def test_an_unregistered_group_is_refused_before_any_wait(no_default_group):
+    store = dist.HashStore()
+    pg = dist.ProcessGroup(store, 0, 1)
+    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO,
+                         dist.ProcessGroupGloo(store, 0, 1))
+    with pytest.raises(ValueError, match="not registered with torch.distributed.*new_group"):
+        _group_ranks(pg)
+
+
+def test_no_group_and_no_default_group(no_default_group):
+    with pytest.raises(SyncError, match="no group was given; pass group="):
+        _group_ranks(None)
