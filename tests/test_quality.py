@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 # Trainer-side bridge modules: the only ones that may import jax.
-BRIDGE_SENDER_MODULES = {"bridge.sender", "bridge.vllm.trainer"}
+BRIDGE_SENDER_MODULES = {"bridge.sender", "bridge.fp8_sender", "bridge.vllm.trainer"}
 
 
 def run_tool(name: str, *args: str, timeout: int = 600) -> None:

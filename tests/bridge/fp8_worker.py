@@ -1,0 +1,134 @@
+"""One process of the FP8 end-to-end test: a JAX trainer (ranks 0, 1) or a torch receiver (2, 3).
+
+Run by tests/bridge/test_fp8_e2e.py. The trainers (2 CPU devices each, FSDP over 4) build
+the flax Llama, quantize its linear layers where their shards are
+(``bridge.fp8_sender.quantize_params``) and sync them, then sync the same weights in
+bfloat16. The receivers (TP2, fused ``qkv_proj``/``gate_up_proj``, vLLM's names) hold the
+FP8 weights as ``torch.float8_e4m3fn`` and record the bytes they received
+(``Receiver.stats``). Results go under
+--out: ``params.npz`` (the trainer's float32 leaves), ``jax_logits.npy``,
+``rank{r}_fp8.npz`` (FP8 weights as their raw bytes, scales, the rest as float32) and
+``rank{r}.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import _common as C  # noqa: E402
+from worker import _nest, events, save  # noqa: E402
+
+import bridge  # noqa: E402
+from jreshard.core.fp8 import Fp8Format  # noqa: E402
+from jreshard.nn import LlamaConfig, fsdp_spec, param_shapes  # noqa: E402
+
+TIMEOUT = 30.0
+# Blocks of 64 output rows x 128 input columns: TP2 shards and the fused parts hold whole blocks,
+# while the trainer's FSDP shards (64 rows of each [in, out] kernel) cut the 128-wide input blocks.
+FMT = Fp8Format(block=(64, 128))
+
+
+def config() -> LlamaConfig:
+    return LlamaConfig.load("llama-tiny", vocab_size=256, intermediate_size=512, num_hidden_layers=2)
+
+
+def plans() -> tuple[bridge.Fp8ParamMap, bridge.BridgePlan, bridge.BridgePlan]:
+    """The FP8 sync and the bfloat16 sync of the same model, from the config alone (both sides)."""
+    cfg = config()
+    source = C.source_for(cfg)
+    pm = bridge.llama_param_map(cfg, source, C.RECEIVERS, fused=True, vocab_pad=64, dtype="bfloat16")
+    fp8 = bridge.fp8_param_map(source, pm, FMT)
+    return fp8, bridge.BridgePlan(fp8.source, fp8.param_map), bridge.BridgePlan(source, pm)
+
+
+def trainer(rank: int, args) -> None:
+    import jax
+    from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from bridge.fp8_sender import quantize_params
+    from bridge.sender import Sender, flatten_params
+    from jreshard import nn as jnn
+
+    jax.distributed.initialize(f"127.0.0.1:{args.jax_port}", num_processes=2, process_id=rank,
+                               initialization_timeout=120)
+    mesh = jax.make_mesh((4,), ("fsdp",), devices=jax.devices(), axis_types=(jax.sharding.AxisType.Auto,))
+    bridge.init_group(rank, C.WORLD, port=args.port, timeout=120)
+    fp8, fp8_plan, bf16_plan = plans()
+    cfg = config()
+    shardings = {p: NamedSharding(mesh, P(*fsdp_spec(p, s))) for p, s in param_shapes(cfg).items()}
+    params = jax.jit(lambda key: jnn.init_params(cfg, key), out_shardings=_nest(shardings))(jax.random.key(0))
+    tok = jax.make_array_from_callback((2, 16), NamedSharding(mesh, P()), lambda idx: C.tokens(cfg)[idx])
+    logits = jax.jit(lambda p, t: jnn.logits(cfg, p, t), out_shardings=NamedSharding(mesh, P()))(params, tok)
+    full = {k: np.asarray(multihost_utils.process_allgather(v, tiled=True)) for k, v in flatten_params(params).items()}
+    if rank == 0:
+        np.save(os.path.join(args.out, "jax_logits.npy"), np.asarray(logits.addressable_data(0)))
+        np.savez(os.path.join(args.out, "params.npz"), **full)
+    events["describe_matches_config"] = bridge.sender.describe(params, C.TRAINERS) == C.source_for(cfg)
+    t0 = time.perf_counter()
+    sent = quantize_params(params, fp8)
+    jax.block_until_ready(sent)
+    events["quantize_seconds"] = time.perf_counter() - t0
+    events["quantized_matches_plan"] = bridge.sender.describe(sent, C.TRAINERS) == fp8.source
+    for phase, plan, tree, version in (("fp8", fp8_plan, sent, 1), ("bf16", bf16_plan, params, 2)):
+        t0 = time.perf_counter()
+        Sender(plan, rank=rank, timeout=TIMEOUT).sync(tree, version=version)
+        events[phase] = {"ok": True, "seconds": time.perf_counter() - t0}
+        save(args.out, rank)
+
+
+def receiver(rank: int, args) -> None:
+    import torch
+
+    bridge.init_group(rank, C.WORLD, port=args.port, timeout=120)
+    fp8, fp8_plan, bf16_plan = plans()
+    held = {n: torch.zeros(p.shape, dtype=getattr(torch, fp8.dtypes(rank)[n]))
+            for n, p in ((p.name, p) for p in fp8.param_map.for_rank(rank))}
+    rec = bridge.Receiver(fp8_plan, fp8.wire_view(held), rank=rank, timeout=TIMEOUT)
+    t0 = time.perf_counter()
+    version = rec.sync()
+    events["fp8"] = {"ok": True, "version": version, "seconds": time.perf_counter() - t0,
+                     "bytes": rec.stats["received"]}
+    events["fp8_dtypes"] = sorted({str(t.dtype) for t in held.values()})
+    np.savez(os.path.join(args.out, f"rank{rank}_fp8.npz"),
+             **{n: t.view(torch.uint8).numpy() if t.dtype == torch.float8_e4m3fn else t.float().numpy()
+                for n, t in held.items()})
+    bf16 = {p.name: torch.zeros(p.shape, dtype=torch.bfloat16) for p in bf16_plan.param_map.for_rank(rank)}
+    rec = bridge.Receiver(bf16_plan, bf16, rank=rank, timeout=TIMEOUT)
+    t0 = time.perf_counter()
+    version = rec.sync()
+    events["bf16"] = {"ok": True, "version": version, "seconds": time.perf_counter() - t0,
+                      "bytes": rec.stats["received"]}
+    save(args.out, rank)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    for flag in ("--rank", "--port", "--jax-port"):
+        ap.add_argument(flag, type=int, default=0)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    side = trainer if args.rank in C.TRAINERS else receiver
+    try:
+        side(args.rank, args)
+        events.update(jax_imported="jax" in sys.modules, done=True)
+    except Exception:
+        events["crash"] = traceback.format_exc()
+        raise
+    finally:
+        save(args.out, args.rank)
+    if side is trainer:
+        os._exit(0)  # skip jax.distributed's shutdown barrier: every sync is done
+
+
+if __name__ == "__main__":
+    main()
