@@ -16,11 +16,31 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable
+from typing import Any
 
-from bridge._source import Source
+import numpy as np
+
+from bridge._args import check_int, check_ints, check_name
+from bridge._source import SOURCE_BASE, Source
 from jreshard.core.box import Box
+from jreshard.core.dtypes import canonical_dtype
 
-__all__ = ["Region", "Param", "ParamMap"]
+__all__ = ["Region", "Param", "ParamMap", "param_dtype"]
+
+
+def param_dtype(dtype: Any, arg: str = "dtype") -> str:
+    """The canonical name of a param dtype (numeric, bool included); params always have one.
+
+    Example:
+      >>> import numpy as np
+      >>> from bridge._param_map import param_dtype
+      >>> param_dtype(np.float32), param_dtype("bfloat16")
+      ('float32', 'bfloat16')
+    """
+    name = canonical_dtype(dtype, arg=arg)
+    if name is None:
+        raise TypeError(f"{arg} must be a dtype or its name, such as 'bfloat16', got None.")
+    return name
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -40,10 +60,23 @@ class Region:
     view: tuple[int, ...] | None = None  # the param's shape as this region sees it; None: its own
 
     def __post_init__(self) -> None:
+        check_name("Region leaf", self.leaf, "the leaf's path in the Source")
         if not isinstance(self.box, Box):
             object.__setattr__(self, "box", Box(self.box))
+        ndim = len(self.box)
+        offset = check_ints("Region offset", self.offset)
+        transpose = check_ints("Region transpose", self.transpose)
+        if len(offset) != ndim or sorted(transpose) != list(range(ndim)):
+            raise ValueError(
+                f"Region of leaf {self.leaf!r}: box {self.box} has {ndim} dims, so offset {offset} needs {ndim} "
+                f"entries and transpose {transpose} must be a permutation of {tuple(range(ndim))}.")
+        object.__setattr__(self, "offset", offset)
+        object.__setattr__(self, "transpose", transpose)
         if self.view is not None:
-            object.__setattr__(self, "view", tuple(int(n) for n in self.view))
+            view = check_ints("Region view", self.view)
+            if len(view) != ndim:
+                raise ValueError(f"Region of leaf {self.leaf!r}: view {view} needs one size per leaf dim ({ndim}).")
+            object.__setattr__(self, "view", view)
 
     def view_shape(self, param_shape: tuple[int, ...]) -> tuple[int, ...]:
         """The shape in which ``offset`` and ``shape`` are given, for a param of ``param_shape``."""
@@ -72,6 +105,17 @@ class Param:
     regions: tuple[Region, ...]
 
     def __post_init__(self) -> None:
+        check_name("Param name", self.name, "the tensor's name in the inference engine")
+        where = f"param {self.name!r}"
+        object.__setattr__(self, "rank", check_int(f"{where}: rank", self.rank, maximum=SOURCE_BASE - 1))
+        object.__setattr__(self, "shape", check_ints(f"{where}: shape", self.shape))
+        object.__setattr__(self, "dtype", param_dtype(self.dtype, f"{where}: dtype"))
+        if not isinstance(self.regions, (tuple, list)):
+            raise TypeError(f"{where}: regions must be a tuple of bridge.Region, got {type(self.regions).__name__}.")
+        object.__setattr__(self, "regions", tuple(self.regions))
+        for i, r in enumerate(self.regions):
+            if not isinstance(r, Region):
+                raise TypeError(f"{where}: regions[{i}] must be a bridge.Region, got {type(r).__name__} {r!r}.")
         for r in self.regions:
             view = r.view_shape(self.shape)
             ndim = len(view)
@@ -96,6 +140,28 @@ class Param:
                         f"param {self.name!r} on rank {self.rank}: region from {r.leaf!r} "
                         f"(offset {r.offset}, shape {r.shape}) leaves the local shape {view} in dim {i}."
                     )
+        _check_disjoint(self)
+
+
+def _check_disjoint(p: Param) -> None:
+    """Refuses two regions of ``p`` seen through the same view that fill the same elements."""
+    by_view: dict[tuple[int, ...], list[Region]] = {}
+    for r in p.regions:
+        if math.prod(r.shape):
+            by_view.setdefault(r.view_shape(p.shape), []).append(r)
+    for regions in by_view.values():
+        if len(regions) < 2:
+            continue
+        lo = np.array([r.offset for r in regions], dtype=np.int64)
+        hi = lo + np.array([r.shape for r in regions], dtype=np.int64)
+        for i in range(len(regions) - 1):  # one row of the pairwise test at a time: O(n) memory
+            hit = np.flatnonzero(((lo[i] < hi[i + 1:]) & (lo[i + 1:] < hi[i])).all(axis=1))
+            if hit.size:
+                a, b = regions[i], regions[i + 1 + int(hit[0])]
+                raise ValueError(
+                    f"param {p.name!r} on rank {p.rank}: regions from {a.leaf!r} (offset {a.offset}, shape "
+                    f"{a.shape}) and {b.leaf!r} (offset {b.offset}, shape {b.shape}) overlap; each element of a "
+                    "param is filled from one place (fused parts need distinct part= numbers).")
 
 
 class ParamMap:
@@ -113,7 +179,10 @@ class ParamMap:
     __slots__ = ("params", "_key")
 
     def __init__(self, params: Iterable[Param]) -> None:
-        ps = tuple(params)
+        try:
+            ps = tuple(params)
+        except TypeError:
+            raise TypeError(f"params must be an iterable of bridge.Param, got {type(params).__name__}.") from None
         for p in ps:
             if not isinstance(p, Param):
                 raise TypeError(f"params must hold bridge.Param, got {type(p).__name__}.")

@@ -15,7 +15,6 @@ import dataclasses
 import functools
 import itertools
 import math
-import numbers
 import re
 from collections import defaultdict
 from collections.abc import Sequence
@@ -23,11 +22,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from bridge._args import check_flag, check_int, check_ints, check_name
 from bridge._dims import DimSpec
-from bridge._param_map import Param, ParamMap, Region
-from bridge._source import Source
+from bridge._param_map import Param, ParamMap, Region, param_dtype
+from bridge._source import SOURCE_BASE, Source
 from jreshard.core.box import Box
-from jreshard.core.dtypes import canonical_dtype
 from jreshard.core.heads import split_heads
 
 __all__ = ["Rule", "tp_param_map", "param_dtype"]
@@ -78,15 +77,13 @@ class Rule:
     at: str | int | None = None
 
     def __post_init__(self) -> None:
+        check_name("Rule pattern", self.pattern, "a regular expression over leaf paths")
         try:
             re.compile(self.pattern)
         except re.error as e:
             raise ValueError(f"Rule pattern {self.pattern!r} is not a regular expression: {e}.") from None
-        if not isinstance(self.pad_to, numbers.Integral) or self.pad_to < 1:
-            raise ValueError(f"Rule pad_to must be a positive int, got {self.pad_to!r}.")
+        self._check_args()
         if self.heads is not None:
-            if isinstance(self.heads, bool) or not isinstance(self.heads, numbers.Integral) or self.heads < 1:
-                raise ValueError(f"Rule heads must be a positive int or None, got {self.heads!r}.")
             if self.shard is None or self.pad_to != 1:
                 raise ValueError(f"Rule {self.pattern!r}: heads needs a shard dim and no padding (pad_to=1).")
         elif self.replicate_heads:
@@ -109,6 +106,39 @@ class Rule:
                     raise ValueError(f"Rule {self.pattern!r}: {arg} names a dim; name the dims with dims=.")
             if self.at is not None:
                 raise ValueError(f"Rule {self.pattern!r}: at= needs dims= with a new param dim to place the leaf in.")
+
+    def _check_args(self) -> None:
+        """Checks (and normalises: numpy ints to ints, dtypes to names) every argument but ``pattern``."""
+        rule = f"Rule {self.pattern!r}"
+
+        def put(arg: str, value: Any) -> None:
+            object.__setattr__(self, arg, value)
+
+        check_name(f"{rule} name", self.name, "the param name, a template such as 'layers.{1}.weight'")
+        if not isinstance(self.transpose, bool):
+            perm = check_ints(f"{rule} transpose", self.transpose)
+            if sorted(perm) != list(range(len(perm))):
+                raise ValueError(f"{rule} transpose {perm} must be a permutation of {tuple(range(len(perm)))} "
+                                 "(torch dim i <- leaf dim transpose[i]), or True/False.")
+            put("transpose", perm)
+        for arg in ("shard", "ep_shard"):
+            v = getattr(self, arg)
+            if v is not None and not isinstance(v, str):
+                put(arg, check_int(f"{rule} {arg} (a param dim, its name in dims, or None)", v))
+            elif isinstance(v, str) and not v:
+                raise ValueError(f"{rule} {arg} is an empty name; name a dim of dims, give its index, or None.")
+        put("part", check_int(f"{rule} part", self.part))
+        put("pad_to", check_int(f"{rule} pad_to", self.pad_to, minimum=1))
+        if self.dtype is not None:
+            put("dtype", param_dtype(self.dtype, f"{rule} dtype"))
+        if self.heads is not None:
+            put("heads", check_int(f"{rule} heads", self.heads, minimum=1))
+        put("replicate_heads", check_flag(f"{rule} replicate_heads", self.replicate_heads))
+        if self.dims is not None and not isinstance(self.dims, str):
+            raise TypeError(f"{rule} dims must be a str such as 'L i o -> o i', or None; got "
+                            f"{type(self.dims).__name__} {self.dims!r}.")
+        if self.at is not None and not isinstance(self.at, str):
+            put("at", check_int(f"{rule} at", self.at))
 
     def spec(self, ndim: int) -> DimSpec:
         """The named dims of a leaf of ``ndim`` dims under this rule."""
@@ -167,16 +197,11 @@ class _Split:
     ranges: tuple[tuple[int, int], ...]
 
 
-def param_dtype(dtype: Any, arg: str = "dtype") -> str:
-    """The canonical name of a param dtype; params always have one."""
-    name = canonical_dtype(dtype, arg=arg)
-    if name is None:
-        raise TypeError(f"{arg} must be a dtype or its name, such as 'bfloat16', got None.")
-    return name
-
-
 def _grid(tp_ranks: Any) -> list[list[int]]:
-    arr = np.asarray(tp_ranks)
+    try:
+        arr = np.asarray(tp_ranks)
+    except ValueError:  # ragged nested lists
+        arr = np.asarray(None)
     if arr.ndim == 1:
         arr = arr[None]
     if arr.ndim != 2 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
@@ -184,8 +209,9 @@ def _grid(tp_ranks: Any) -> list[list[int]]:
             f"tp_ranks must be a list of torch ranks (one TP group) or a list of equal-length lists "
             f"(one per replica or expert-parallel group), got {tp_ranks!r}."
         )
-    if len(set(arr.ravel().tolist())) != arr.size or (arr < 0).any():
-        raise ValueError(f"tp_ranks must hold distinct non-negative ranks, got {arr.tolist()}.")
+    if len(set(arr.ravel().tolist())) != arr.size or (arr < 0).any() or (arr >= SOURCE_BASE).any():
+        raise ValueError(f"tp_ranks must hold distinct torch ranks in [0, {SOURCE_BASE}) (inference ranks), "
+                         f"got {arr.tolist()}.")
     return arr.tolist()
 
 
@@ -404,8 +430,17 @@ def tp_param_map(source: Source, rules: Sequence[Rule], tp_ranks: Any, *, dtype:
       >>> p.shape, str(p.regions[0].box), p.regions[0].view
       ((4, 4), '[1:2, 0:4, 4:8]', (1, 4, 4))
     """
+    if not isinstance(source, Source):
+        raise TypeError(f"source must be a bridge.Source, got {type(source).__name__}.")
+    if isinstance(rules, (str, Rule)) or not hasattr(rules, "__iter__"):
+        raise TypeError(f"rules must be a list of bridge.Rule, got {type(rules).__name__} {rules!r}.")
+    rules = list(rules)
+    for i, rule in enumerate(rules):
+        if not isinstance(rule, Rule):
+            raise TypeError(f"rules[{i}] must be a bridge.Rule, got {type(rule).__name__} {rule!r}.")
+    strict = check_flag("strict", strict)
     grid = _grid(tp_ranks)
-    default = param_dtype(dtype)
+    default = param_dtype(dtype)  # BridgePlan refuses the dtypes its wire cannot carry
     params = []
     for name, plist in _match(source, rules, strict).items():
         shards = {(p.rule.shard, p.rule.ep_shard) for p in plist}

@@ -1,14 +1,19 @@
 """Bad inputs across the public API: each row names a call, the exact exception type and a message
 pattern that names the argument (and so tells the user what to fix).
 
-Rows cover the bridge's argument checks (``bridge._args``), ``init_group``, ``reject_sync``,
+Rows here cover the bridge's argument checks (``bridge._args``), ``init_group``, ``reject_sync``,
 ``Receiver``, ``BridgePlan``, ``Source``, ``Rule``, ``tp_param_map``, ``trainer_mesh``,
-``source_id`` and the planner's ``Mesh``, ``Layout``, ``plan`` and ``Box``. No row reaches a
-process group: every check runs before one is needed.
+``source_id``, the planner's ``Mesh``, ``Layout``, ``plan``, ``plan_layouts`` and ``Box``, the
+fleet's degrees, catalog and scenarios, and the ``jreshard plan`` command line. More rows:
+tests/test_bad_inputs_bridge.py (bridge constructors, ``Sender``, sync-time inputs) and
+tests/test_bad_inputs_transfer.py (``jreshard.transfer``). No row reaches a process group:
+every check runs before one is needed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 
 import numpy as np
@@ -16,7 +21,10 @@ import pytest
 
 import bridge
 from bridge._args import check_flag, check_int, check_seconds
-from jreshard import Box, Layout, Mesh, plan
+from jreshard import Box, Layout, Mesh, plan, plan_layouts
+from jreshard.fleet import catalog
+from jreshard.fleet.degrees import InferParallel, TrainParallel, parse_degrees
+from jreshard.fleet.scenario import ScenarioError, load_scenario
 
 M = Mesh(np.arange(4).reshape(2, 2), ("x", "y"))
 L = Layout((8, 8), M, ("x", "y"), "float32")
@@ -251,15 +259,113 @@ row("plan dict mismatch", lambda: plan({"a": L}, {"b": L}), ValueError, "a")
 row("Box bad", lambda: Box([(0, -1)]), ValueError, "box dim 0")
 row("Box str", lambda: Box("ab"), TypeError, "box must be")
 row("Box float", lambda: Box([(0.5, 2)]), TypeError, "box dim 0 lower bound")
+row("Mesh id above int64", lambda: Mesh([1 << 63], "x"), ValueError, "devices must be ids that fit in int64")
+row("Mesh id above uint64", lambda: Mesh([1 << 64], "x"), ValueError, "devices must be ids that fit in int64")
+row("Mesh bool ids", lambda: Mesh([True, False], "x"), TypeError, "devices")
+row("Mesh axis name empty", lambda: Mesh([0, 1], ""), TypeError, "axis_names")
+row("Mesh axis_names int", lambda: Mesh([0, 1], 5), TypeError, "axis_names")
+row("Mesh ragged devices", lambda: Mesh([[0, 1], [2]], ("x", "y")), (TypeError, ValueError), "devices")
+row("Layout dim above int64", lambda: Layout((1 << 64, 0), M, ()), ValueError, "shape dims must fit in int64")
+row("Layout dtype str", lambda: Layout((4,), M, (), "U8"), TypeError, "dtype must be a numeric dtype")
+row("Layout dtype datetime", lambda: Layout((4,), M, (), "datetime64[s]"), TypeError, "dtype must be a numeric")
+row("Layout dtype void", lambda: Layout((4,), M, (), "V8"), TypeError, "dtype must be a numeric dtype")
+row("Layout dtype bytes", lambda: Layout((4,), M, (), "S4"), TypeError, "dtype must be a numeric dtype")
+row("Layout dtype int", lambda: Layout((4,), M, (), 5), TypeError, "dtype")
+row("Layout dtype structured", lambda: Layout((4,), M, (), [("a", "f4")]), TypeError, "dtype")
+row("Layout with_dtype", lambda: L.with_dtype("U2"), TypeError, "dtype")
+row("Layout spec str", lambda: Layout((4,), M, "x"), TypeError, "spec")
+row("Layout spec entry int in tuple", lambda: Layout((4,), M, (("x", 1),)), TypeError, "spec entry")
+row("Layout shape 2-d array", lambda: Layout(np.ones((2, 2), dtype=int), M, ()), TypeError, "shape")
+row("Layout shard_box missing device", lambda: L.shard_box(99), ValueError, "device 99 is not in the mesh")
+row("Layout holders not a box", lambda: L.holders("ab"), ValueError, "box must be")
+row("Layout holders strided", lambda: L.holders((slice(0, 8, 2), slice(0, 8))), TypeError, "box must hold slice")
+row("plan balance str", lambda: plan(L, L, balance="yes"), TypeError, "balance must be True or False")
+row("plan balance None", lambda: plan(L, L, balance=None), TypeError, "balance must be True or False")
+row("plan balance int", lambda: plan({"a": L}, {"a": L}, balance=1), TypeError, "balance")
+row("plan nested mismatch", lambda: plan({"a": [L]}, {"a": L}), ValueError, "same structure")
+row("plan leaf not layout", lambda: plan({"a": L}, {"a": 3}), TypeError, "dst at 'a'")
+row("plan_layouts pair int", lambda: plan_layouts([1]), TypeError, r"pairs\[0\]")
+row("plan_layouts pair short", lambda: plan_layouts([("a", L)]), TypeError, r"pairs\[0\]")
+row("plan_layouts name int", lambda: plan_layouts([(1, L, L)]), TypeError, r"pairs\[0\] name")
+row("plan_layouts name twice", lambda: plan_layouts([("a", L, L), ("a", L, L)]), ValueError, "'a' appears twice")
+row("plan_layouts balance", lambda: plan_layouts([("a", L, L)], balance="x"), TypeError, "balance")
+row("plan_layouts dst", lambda: plan_layouts([("a", L, None)]), TypeError, "dst at 'a'")
+
+# --- fleet: degrees, catalog, scenarios
+row("TrainParallel tp 0", lambda: TrainParallel(tp=0), ValueError, "TrainParallel.tp")
+row("TrainParallel pp str", lambda: TrainParallel(pp="2"), ValueError, "TrainParallel.pp")
+row("TrainParallel dp bool", lambda: TrainParallel(dp=True), ValueError, "TrainParallel.dp")
+row("InferParallel ep float", lambda: InferParallel(ep=2.0), ValueError, "InferParallel.ep")
+row("InferParallel dp -1", lambda: InferParallel(dp=-1), ValueError, "InferParallel.dp")
+row("parse_degrees value", lambda: parse_degrees("tp=x", "train"), ValueError, "train degrees 'tp=x'")
+row("parse_degrees name", lambda: parse_degrees("zz=2", "infer"), ValueError, "infer degrees 'zz=2'")
+row("parse_degrees None", lambda: parse_degrees(None, "train"), TypeError, "train degrees")
+row("catalog unknown model", lambda: catalog.get_model("nope"), ValueError, "model 'nope'")
+row("catalog model int", lambda: catalog.get_model(5), TypeError, "model must be")
+row("catalog experts", lambda: catalog.tensors("llama-tiny", experts="x"), ValueError, "experts")
+row("catalog config no type", lambda: catalog.load_config({"a": 1}), ValueError, "model_type")
+SIDES = {"model": "llama-tiny", "hardware": "dgx-h100", "train": {"gpus": 4, "fsdp": 4}, "infer": {"gpus": 4, "tp": 4}}
+for field, value, pattern in [
+    ("hardware", "nope", "field 'hardware'"),
+    ("model", "nope", "field 'model'"),
+    ("train", {"gpus": 4, "tp": 0}, "field 'train.tp'"),
+    ("train", {"gpus": "4", "fsdp": 4}, "field 'train.gpus'"),
+    ("infer", {"gpus": 4}, "infer"),
+    ("bogus", 1, "field 'bogus'"),
+    ("dtype", "floaty", "field 'dtype'"),
+]:
+    row(f"scenario {field}={value!r}", lambda f=field, v=value: load_scenario({**SIDES, f: v}), ScenarioError, pattern)
+row("scenario missing train", lambda: load_scenario({"model": "llama-tiny"}), ScenarioError, "field 'train'")
+row("scenario int", lambda: load_scenario(5), TypeError, "scenario must be")
+row("scenario unknown name", lambda: load_scenario("no-such"), ScenarioError, "scenario 'no-such'")
+
+
+def cli(*argv: str) -> None:
+    """Runs ``jreshard plan ...``; a refusal (exit status 2) is raised as SystemExit with its stderr."""
+    from jreshard.__main__ import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = main(["plan", *argv])
+        except SystemExit as e:  # argparse
+            code = e.code
+    if code:
+        raise SystemExit(f"exit status {code}: {err.getvalue()}")
+
+
+FLAGS = {"--model": "llama-tiny", "--hardware": "dgx-h100", "--train": "fsdp=4", "--infer": "tp=4"}
+for flag, value, pattern in [
+    ("--train", "tp=x", "--train 'tp=x'"),
+    ("--infer", "tp=0", "--infer 'tp=0'"),
+    ("--hardware", "nope", "--hardware 'nope'"),
+    ("--model", "nope", "--model 'nope'"),
+    ("--dtype", "floaty", "--dtype 'floaty'"),
+    ("--experts", "bogus", "--experts"),
+    ("--gpus-per-domain", "x", "--gpus-per-domain"),
+    ("--hierarchical", "sometimes", "--hierarchical"),
+]:
+    argv = tuple(x for k, v in {**FLAGS, flag: value}.items() for x in (k, v))
+    row(f"cli {flag} {value}", lambda a=argv: cli(*a), SystemExit, re.escape(pattern))
+row("cli scenario and flags", lambda: cli("qwen3-32b-fsdp8-to-tp4dp2", "--model", "llama-tiny"), SystemExit,
+    "not both")
+row("cli missing --train", lambda: cli("--model", "llama-tiny", "--hardware", "dgx-h100"), SystemExit, "--train")
+
+
+def check_row(name, fn, exc, pattern):
+    """One row: ``fn()`` raises exactly ``exc`` (or one of them) with a message matching ``pattern``."""
+    with pytest.raises(exc) as info:
+        fn()
+    assert re.search(pattern, str(info.value)), (name, str(info.value))
 
 
 def test_rows_are_many_and_distinct():
-    names = [r[0] for r in ROWS]
-    assert len(names) == len(set(names)) and len(names) >= 100, len(names)
+    from tests import test_bad_inputs_bridge, test_bad_inputs_transfer
+
+    names = [r[0] for rows in (ROWS, test_bad_inputs_bridge.ROWS, test_bad_inputs_transfer.ROWS) for r in rows]
+    assert len(names) == len(set(names)) and len(names) >= 200, len(names)
 
 
 @pytest.mark.parametrize(("name", "fn", "exc", "pattern"), ROWS, ids=[r[0] for r in ROWS])
 def test_bad_input(name, fn, exc, pattern):
-    with pytest.raises(exc) as info:
-        fn()
-    assert re.search(pattern, str(info.value)), (name, str(info.value))
+    check_row(name, fn, exc, pattern)

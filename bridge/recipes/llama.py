@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from bridge._args import check_flag, check_int
 from bridge._param_map import ParamMap
 from bridge._rules import Rule, tp_param_map
 from bridge._source import Source
@@ -23,6 +24,11 @@ def llama_rules(config: LlamaConfig, *, fused: bool = False, vocab_pad: int = 64
     norms replicated. Attention splits whole heads; with more TP ranks than KV heads each
     KV head is replicated on ``tp // num_key_value_heads`` consecutive ranks (as vLLM does).
     """
+    if not all(hasattr(config, a) for a in ("num_attention_heads", "num_key_value_heads", "tie_word_embeddings")):
+        raise TypeError(f"config must be a jreshard.nn.LlamaConfig (LlamaConfig.load(name)), "
+                        f"got {type(config).__name__}.")
+    fused = check_flag("fused", fused)
+    vocab_pad = check_int("vocab_pad", vocab_pad, minimum=1)
     L = r"layers_(\d+)"
     heads = {"q": config.num_attention_heads, "k": config.num_key_value_heads, "v": config.num_key_value_heads}
     rules = [Rule("embed/embedding", "model.embed_tokens.weight", shard=0, pad_to=vocab_pad)]

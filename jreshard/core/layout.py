@@ -70,9 +70,14 @@ def _parse_spec(spec: Any, mesh: Mesh, ndim: int) -> tuple[tuple[str, ...], ...]
     return tuple(parsed)
 
 
+_INT64_MAX = (1 << 63) - 1
+
+
 def _parse_shape(shape: Any) -> tuple[int, ...]:
     if isinstance(shape, numbers.Integral) and not isinstance(shape, bool):
         shape = (shape,)
+    if isinstance(shape, np.ndarray) and shape.ndim == 1:
+        shape = shape.tolist()
     if not isinstance(shape, (tuple, list)):
         raise TypeError(f"shape must be a tuple of ints, got {type(shape).__name__} {shape!r}.")
     for n in shape:
@@ -80,10 +85,10 @@ def _parse_shape(shape: Any) -> tuple[int, ...]:
             raise TypeError(f"shape must hold ints, got {n!r} in {tuple(shape)!r}.")
         if n < 0:
             raise ValueError(f"shape must have non-negative dims, got {n} in {tuple(shape)!r}.")
+        if n > _INT64_MAX:
+            raise ValueError(f"shape dims must fit in int64 (at most 2**63 - 1), got {n} in {tuple(shape)!r}.")
     return tuple(int(n) for n in shape)
 
-
-_INT64_MAX = (1 << 63) - 1
 
 
 def _check_nbytes(shape: tuple[int, ...], itemsize: int) -> None:

@@ -36,6 +36,15 @@ def _parse_axis_names(axis_names: Any) -> tuple[str, ...]:
     return tuple(axis_names)
 
 
+def _check_fits(ids: Any) -> None:
+    big = [i for i in ids if i > _INT64_MAX]
+    if big:
+        raise ValueError(f"devices must be ids that fit in int64 (at most 2**63 - 1), got {big[0]}.")
+
+
+_INT64_MAX = (1 << 63) - 1
+
+
 def _parse_devices(devices: Any) -> np.ndarray:
     try:
         array = np.asarray(devices)
@@ -53,6 +62,7 @@ def _parse_devices(devices: Any) -> np.ndarray:
                     f"devices must hold integer device ids, got {item!r} "
                     f"({type(item).__name__}); pass ids such as [[0, 1], [2, 3]]."
                 )
+        _check_fits(int(x) for x in flat)
         array = np.array([int(x) for x in flat], dtype=np.int64).reshape(array.shape)
     elif array.dtype.kind not in "iu" or array.dtype == np.bool_:
         bad = array.reshape(-1)[0] if array.size else devices
@@ -60,6 +70,8 @@ def _parse_devices(devices: Any) -> np.ndarray:
             f"devices must hold integer device ids, got dtype {array.dtype} (for example {bad!r}); "
             "pass ids such as [[0, 1], [2, 3]]."
         )
+    if array.dtype == np.uint64:
+        _check_fits(array.reshape(-1).tolist())
     array = array.astype(np.int64)
     if (array < 0).any():
         raise ValueError(

@@ -87,7 +87,7 @@ def plan(src: Any, dst: Any, *, balance: bool = True) -> TensorPlan | Plan:
       >>> p.stats().network_bytes == p.stats().lower_bound_bytes == 2 * 8 * 4 * 4
       True
     """
-    balance = bool(balance)
+    balance = _check_balance(balance)
     if isinstance(src, Layout) and isinstance(dst, Layout):
         _check_pair("", src, dst)
         return _plan_pair(src, dst, balance)
@@ -114,11 +114,29 @@ def plan_layouts(pairs: Sequence[tuple[str, Layout, Layout]], *, balance: bool =
       >>> list(plan_layouts([("layers/0/w", w, w.with_dtype("float32"))]))
       ['layers/0/w']
     """
-    for name, s, d in pairs:
+    balance = _check_balance(balance)
+    seen: set[str] = set()
+    for i, pair in enumerate(pairs):
+        if not isinstance(pair, (tuple, list)) or len(pair) != 3:
+            raise TypeError(f"pairs[{i}] must be a (name, src Layout, dst Layout) tuple, got {pair!r}.")
+        name, s, d = pair
+        if not isinstance(name, str):
+            raise TypeError(f"pairs[{i}] name must be a str (the tensor's path), got {type(name).__name__} {name!r}.")
+        if name in seen:
+            raise ValueError(f"pairs[{i}] name {name!r} appears twice; give every tensor its own name.")
+        seen.add(name)
         _check_pair(name, s, d)
     names = tuple(name for name, _, _ in pairs)
     return _plan_tree(tuple((n,) if n else () for n in names), ("dict", names, ("leaf",) * len(pairs)),
-                      tuple(s for _, s, _ in pairs), tuple(d for _, _, d in pairs), bool(balance))
+                      tuple(s for _, s, _ in pairs), tuple(d for _, _, d in pairs), balance)
+
+
+def _check_balance(balance: Any) -> bool:
+    if type(balance).__module__ == "numpy" and type(balance).__name__ in ("bool", "bool_"):  # numpy.bool_
+        return bool(balance)
+    if not isinstance(balance, bool):
+        raise TypeError(f"balance must be True or False, got {type(balance).__name__} {balance!r}.")
+    return balance
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)

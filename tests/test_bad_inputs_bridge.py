@@ -1,0 +1,250 @@
+"""Bad inputs of the bridge's constructors and sync-time inputs (rows as in tests/test_bad_inputs.py).
+
+``Rule``, ``tp_param_map``, ``llama_param_map``, ``Param``, ``Region``, ``ParamMap``, ``BridgePlan``,
+``Receiver``, ``Sender`` and what ``Sender.sync`` is given. No row needs a process group: a
+``Sender.sync`` whose own checks fail tries to announce it (``reject_sync``), finds no group,
+and raises the cause.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import bridge
+from jreshard import Layout
+from tests.test_bad_inputs import BP, PM, SRC, TM, check_row, recv
+
+R = bridge.Rule
+ROWS = []
+
+
+def row(name, fn, exc, pat):
+    ROWS.append((name, fn, exc, pat))
+
+
+def region(**kw):
+    return bridge.Region(**{"leaf": "w", "box": [(0, 4), (0, 2)], "offset": (0, 0), "transpose": (0, 1), **kw})
+
+
+def param(**kw):
+    return bridge.Param(**{"name": "a", "rank": 1, "shape": (4, 2), "dtype": "float32", "regions": (region(),),
+                           **kw})
+
+
+def plan_of(*params):
+    return bridge.BridgePlan(SRC, bridge.ParamMap(params))
+
+
+# --- Rule
+for kw, exc, pat in [
+    ({"pattern": None}, TypeError, "Rule pattern"),
+    ({"pattern": ""}, TypeError, "Rule pattern"),
+    ({"name": 5}, TypeError, "Rule 'w' name"),
+    ({"name": None}, TypeError, "Rule 'w' name"),
+    ({"transpose": "yes"}, TypeError, "Rule 'w' transpose"),
+    ({"transpose": (0, 0)}, ValueError, "Rule 'w' transpose .* permutation"),
+    ({"transpose": (0, 2)}, ValueError, "Rule 'w' transpose .* permutation"),
+    ({"transpose": (0.0, 1)}, TypeError, r"Rule 'w' transpose\[0\]"),
+    ({"shard": -1}, ValueError, "Rule 'w' shard"),
+    ({"shard": 1.5}, TypeError, "Rule 'w' shard"),
+    ({"shard": True}, TypeError, "Rule 'w' shard"),
+    ({"shard": ""}, ValueError, "Rule 'w' shard"),
+    ({"ep_shard": -1}, ValueError, "Rule 'w' ep_shard"),
+    ({"ep_shard": 0.5}, TypeError, "Rule 'w' ep_shard"),
+    ({"part": -1}, ValueError, "Rule 'w' part"),
+    ({"part": "a"}, TypeError, "Rule 'w' part"),
+    ({"pad_to": True}, TypeError, "Rule 'w' pad_to"),
+    ({"pad_to": 2.0}, TypeError, "Rule 'w' pad_to"),
+    ({"pad_to": 1 << 64}, ValueError, "Rule 'w' pad_to .* int64"),
+    ({"pad_to": np.int64(0)}, ValueError, "Rule 'w' pad_to"),
+    ({"dtype": "floaty"}, TypeError, "Rule 'w' dtype"),
+    ({"dtype": object}, TypeError, "Rule 'w' dtype must be a numeric dtype"),
+    ({"dtype": "U4"}, TypeError, "Rule 'w' dtype must be a numeric dtype"),
+    ({"shard": 0, "heads": True}, TypeError, "Rule 'w' heads"),
+    ({"shard": 0, "heads": -2}, ValueError, "Rule 'w' heads"),
+    ({"shard": 0, "heads": 2, "replicate_heads": "yes"}, TypeError, "Rule 'w' replicate_heads"),
+    ({"replicate_heads": None}, TypeError, "Rule 'w' replicate_heads"),
+    ({"dims": 5}, TypeError, "Rule 'w' dims"),
+    ({"dims": "a b -> c"}, ValueError, "dims"),
+    ({"at": 1.5}, TypeError, "Rule 'w' at"),
+    ({"at": -1}, ValueError, "Rule 'w' at"),
+]:
+    row(f"Rule {kw}", lambda kw=kw: R(**{"pattern": "w", "name": "x", **kw}), exc, pat)
+
+# --- tp_param_map / llama_param_map
+RULES = [R("w", "x")]
+for kw, exc, pat in [
+    ({"source": "src"}, TypeError, "source must be a bridge.Source"),
+    ({"source": {"w": 1}}, TypeError, "source must be a bridge.Source"),
+    ({"rules": "w"}, TypeError, "rules must be a list"),
+    ({"rules": R("w", "x")}, TypeError, "rules must be a list"),
+    ({"rules": ["w"]}, TypeError, r"rules\[0\]"),
+    ({"rules": None}, TypeError, "rules must be a list"),
+    ({"tp_ranks": [[1, 2], [3]]}, TypeError, "tp_ranks"),
+    ({"tp_ranks": [1.0]}, TypeError, "tp_ranks"),
+    ({"tp_ranks": [True, False]}, TypeError, "tp_ranks"),
+    ({"tp_ranks": [1 << 63]}, ValueError, "tp_ranks"),
+    ({"tp_ranks": [1_000_000]}, ValueError, "tp_ranks must hold distinct torch ranks in"),
+    ({"tp_ranks": [1, 1]}, ValueError, "tp_ranks"),
+    ({"tp_ranks": [[[1]]]}, TypeError, "tp_ranks"),
+    ({"dtype": "U4"}, TypeError, "dtype must be a numeric dtype"),
+    ({"dtype": None}, TypeError, "dtype"),
+    ({"strict": "no"}, TypeError, "strict"),
+    ({"strict": None}, TypeError, "strict"),
+]:
+    args = {"source": SRC, "rules": RULES, "tp_ranks": [1], **kw}
+    row(f"tp_param_map {kw}", lambda a=args: bridge.tp_param_map(a.pop("source"), a.pop("rules"), **a), exc, pat)
+
+
+def llama(**kw):
+    from jreshard.nn import LlamaConfig, fsdp_spec, param_shapes
+
+    cfg = LlamaConfig.load("llama-tiny", vocab_size=1000)
+    src = bridge.Source.build(param_shapes(cfg), bridge.trainer_mesh((4,), "fsdp", [0, 1], 2), fsdp_spec)
+    return bridge.llama_param_map(kw.pop("config", cfg), src, [2, 3], **kw)
+
+
+row("llama_param_map config", lambda: llama(config={"a": 1}), TypeError, "config must be")
+row("llama_param_map fused", lambda: llama(fused="yes"), TypeError, "fused")
+row("llama_param_map vocab_pad 0", lambda: llama(vocab_pad=0), ValueError, "vocab_pad")
+row("llama_param_map vocab_pad float", lambda: llama(vocab_pad=2.5), TypeError, "vocab_pad")
+row("llama_param_map dtype", lambda: llama(dtype="U2"), TypeError, "dtype")
+
+# --- Region / Param / ParamMap
+for kw, exc, pat in [
+    ({"leaf": 1}, TypeError, "Region leaf"),
+    ({"leaf": ""}, TypeError, "Region leaf"),
+    ({"box": [(2, 0), (0, 2)]}, ValueError, "box dim 0"),
+    ({"offset": (-1, 0)}, ValueError, r"Region offset\[0\]"),
+    ({"offset": "00"}, TypeError, "Region offset"),
+    ({"offset": (0,)}, ValueError, "offset"),
+    ({"transpose": (1, 1)}, ValueError, "transpose"),
+    ({"transpose": "ab"}, TypeError, "Region transpose"),
+    ({"view": (-2, 2)}, ValueError, r"Region view\[0\]"),
+    ({"view": "ab"}, TypeError, "Region view"),
+    ({"view": (8,)}, ValueError, "view"),
+]:
+    row(f"Region {kw}", lambda kw=kw: region(**kw), exc, pat)
+for kw, exc, pat in [
+    ({"name": 1}, TypeError, "Param name"),
+    ({"name": ""}, TypeError, "Param name"),
+    ({"rank": -1}, ValueError, "param 'a': rank"),
+    ({"rank": "1"}, TypeError, "param 'a': rank"),
+    ({"rank": 1.0}, TypeError, "param 'a': rank"),
+    ({"rank": 1_000_000}, ValueError, "param 'a': rank"),
+    ({"shape": (-4, 2)}, ValueError, r"param 'a': shape\[0\]"),
+    ({"shape": "42"}, TypeError, "param 'a': shape"),
+    ({"shape": (4.0, 2)}, TypeError, r"param 'a': shape\[0\]"),
+    ({"dtype": "floaty"}, TypeError, "param 'a': dtype"),
+    ({"dtype": None}, TypeError, "param 'a': dtype"),
+    ({"dtype": "U4"}, TypeError, "param 'a': dtype must be a numeric dtype"),
+    ({"regions": 5}, TypeError, "param 'a': regions"),
+    ({"regions": (1,)}, TypeError, r"param 'a': regions\[0\]"),
+    ({"shape": (2, 2)}, ValueError, "param 'a' on rank 1: region from 'w'"),
+    ({"regions": (region(), region(box=[(4, 8), (0, 2)]))}, ValueError, "param 'a' on rank 1: regions .* overlap"),
+]:
+    row(f"Param {kw}", lambda kw=kw: param(**kw), exc, pat)
+row("ParamMap not iterable", lambda: bridge.ParamMap(5), TypeError, "params must be an iterable")
+row("ParamMap of str", lambda: bridge.ParamMap(["a"]), TypeError, "params must hold bridge.Param")
+row("ParamMap same param twice", lambda: bridge.ParamMap([param(), param()]), ValueError, "'a' appears twice")
+
+# --- BridgePlan
+row("BridgePlan complex param", lambda: plan_of(param(dtype="complex64")), ValueError,
+    "'a' on rank 1 has dtype complex64, which the wire cannot carry")
+row("BridgePlan missing leaf", lambda: plan_of(param(regions=(region(leaf="nope"),))), ValueError,
+    "no trainer leaf 'nope'")
+row("BridgePlan region outside leaf", lambda: plan_of(param(shape=(40, 2), regions=(region(box=[(0, 40), (0, 2)]),))),
+    ValueError, "param 'a' on rank 1 reads box")
+row("BridgePlan rank both sides", lambda: plan_of(param(rank=0)), ValueError, r"ranks \[0\] are both")
+row("BridgePlan bucket_bytes int64", lambda: bridge.BridgePlan(SRC, PM, bucket_bytes=1 << 63), ValueError,
+    "bucket_bytes .* int64")
+row("BridgePlan balance None", lambda: bridge.BridgePlan(SRC, PM, balance=None), TypeError, "balance")
+
+def _overlapping():
+    """A receiver of two params whose storage partly overlaps."""
+    import torch
+
+    from bridge.receiver import Receiver
+
+    src = bridge.Source({"w": Layout((8, 6), TM, ("fsdp",), "float32"), "v": Layout((6,), TM, (), "float32")})
+    pm = bridge.tp_param_map(src, [R("w", "lin.weight", transpose=True), R("v", "norm.weight")], [1])
+    buf = torch.zeros(60)
+    return Receiver(bridge.BridgePlan(src, pm), {"lin.weight": buf[:48].view(6, 8), "norm.weight": buf[40:46]},
+                    rank=1)
+
+
+def _meta_parameter():
+    import torch
+
+    return {"lin.weight": torch.nn.Parameter(torch.empty(3, 8, device="meta"))}
+
+
+# --- Receiver: storage and devices
+row("Receiver params overlap", _overlapping, ValueError, r"params\['lin.weight'\] and params\['norm.weight'\] share")
+row("Receiver params meta Parameter", lambda: recv(params=_meta_parameter()), ValueError, "meta device")
+row("Receiver params not a tensor", lambda: recv(params={"lin.weight": [[0.0] * 8] * 3}), TypeError,
+    r"params\['lin.weight'\]")
+
+
+# --- Sender and what Sender.sync is given
+def sender(**kw):
+    from bridge.sender import Sender
+
+    return Sender(kw.pop("plan", BP), **{"rank": 0, **kw})
+
+
+def jax_params(shape=(8, 6), dtype=np.float32):
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("fsdp",))
+    return {"w": jax.device_put(np.zeros(shape, dtype), NamedSharding(mesh, P("fsdp")))}
+
+
+for kw, exc, pat in [
+    ({"plan": "p"}, TypeError, "plan must be a bridge.BridgePlan"),
+    ({"rank": -1}, ValueError, "rank"),
+    ({"rank": "0"}, TypeError, "rank"),
+    ({"rank": 1}, ValueError, "rank 1 holds no trainer shards"),
+    ({"timeout": -1}, ValueError, "timeout"),
+    ({"timeout": "5"}, TypeError, "timeout"),
+    ({"ready_timeout": float("nan")}, ValueError, "ready_timeout"),
+    ({"checksum": "yes"}, TypeError, "checksum"),
+    ({"checksum": None}, TypeError, "checksum"),
+    ({"progress": "on"}, TypeError, "progress"),
+]:
+    row(f"Sender {kw}", lambda kw=kw: sender(**kw), exc, pat)
+for name, version, exc, pat in [
+    ("negative", -1, ValueError, "version"),
+    ("str", "1", TypeError, "version"),
+    ("float", 1.0, TypeError, "version"),
+    ("above int64", 1 << 63, ValueError, "version .* int64"),
+]:
+    row(f"Sender.sync version {name}", lambda v=version: sender().sync(jax_params(), version=v), exc, pat)
+row("Sender.sync params missing a leaf", lambda: sender().sync({}, version=1), ValueError,
+    r"params lacks trainer leaves \['w'\]")
+row("Sender.sync params wrong shape", lambda: sender().sync(jax_params((8, 4)), version=1), ValueError,
+    r"params\['w'\] is \(8, 4\)")
+row("Sender.sync params wrong dtype", lambda: sender().sync(jax_params(dtype=np.int32), version=1), ValueError,
+    r"params\['w'\] is \(8, 6\) int32")
+
+
+def test_numpy_ints_and_bools_pass_where_ints_and_bools_do():
+    rule = R("w", "x", shard=np.int64(0), pad_to=np.int32(2), part=np.int8(1))
+    heads = R("w", "x", shard=0, heads=np.int64(2), transpose=(np.int64(1), 0))
+    assert (rule.shard, rule.pad_to, rule.part, heads.heads, heads.transpose) == (0, 2, 1, 2, (1, 0))
+    assert all(type(v) is int for v in (rule.shard, rule.pad_to, rule.part, heads.heads))
+    pm = bridge.tp_param_map(SRC, [R("w", "x", transpose=True, shard=0)], np.array([1, 2]), strict=np.True_)
+    assert pm == bridge.tp_param_map(SRC, [R("w", "x", transpose=True, shard=0)], [1, 2])
+    p = param(rank=np.int64(1), shape=np.array([4, 2]))
+    assert p.rank == 1 and p.shape == (4, 2) and type(p.rank) is int
+    assert bridge.BridgePlan(SRC, PM, bucket_bytes=np.int64(1 << 20), balance=np.False_).balance is False
+    assert bridge.trainer_mesh((np.int64(2),), "fsdp", [np.int64(0)], np.int64(2)) == TM
+    assert Layout((np.int64(8), np.int32(6)), TM, ("fsdp",)).shape == (8, 6)
+    assert region(offset=np.array([0, 0]), view=(np.int64(4), 2)).view == (4, 2)
+
+
+@pytest.mark.parametrize(("name", "fn", "exc", "pattern"), ROWS, ids=[r[0] for r in ROWS])
+def test_bad_input(name, fn, exc, pattern):
+    check_row(name, fn, exc, pattern)
