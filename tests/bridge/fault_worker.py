@@ -12,6 +12,8 @@ Faults are injected by ``_fault`` below, a test-only hook: it wraps the sender's
   flip               rank 0 flips a byte of a packed message after its digest was taken (bucket 2)
   truncate / extend  rank 0's pack gives a segment 8 bytes short / long (bucket 2)
   drop               rank 0's pack leaves out the last segment of a message (bucket 2)
+  extra              rank 0's pack gives one segment more than the plan has (64 bytes, bucket 2): a
+                     rogue sender whose message the receivers never posted a receive for
   pack_error         rank 0's pack raises (bucket 2)
   kill_{who}_{when}  who = sender (rank 0) or receiver (rank 2) dies with SIGKILL at ``setup`` (before
                      the handshake), ``mid`` (posting bucket 2) or ``ack`` (before the final ack)
@@ -96,6 +98,8 @@ def _fault(fault: str, rank: int, plan: bridge.BridgePlan, pack):
             return [torch.cat([segs[0], torch.zeros(8, dtype=torch.uint8)]), *segs[1:]]
         if fault == "drop":
             return segs[:-1] if len(segs) > 1 else []
+        if fault == "extra":
+            return [*segs, torch.zeros(64, dtype=torch.uint8)]
         if fault == "pack_error":
             raise RuntimeError("injected packing failure")
         if fault == "stall_sender":

@@ -28,6 +28,7 @@ FAULTS = {
     "truncate": (None, "sender rank 0 would send a message of the wrong size"),
     "extend": (None, "sender rank 0 would send a message of the wrong size"),
     "drop": (None, "sender rank 0 would send a message of the wrong size"),
+    "extra": (None, "sender rank 0 would send a message of the wrong size"),
     "pack_error": (None, "rank 0 failed in bucket 2/"),
     "kill_sender_setup": (0, ""),
     "kill_sender_mid": (0, ""),
@@ -37,6 +38,12 @@ FAULTS = {
     "kill_receiver_ack": (2, ""),
     "stall_sender": (None, "deadline"),
     "stall_ack": (None, "deadline"),
+}
+# Faults the protocol does not yet catch as it should: the reason says what happens instead.
+KNOWN_GAPS = {
+    "extra": "a segment beyond the plan's is not counted in the vote (bridge._vote.make_row counts "
+             "tensors[:len(segments)]), so the sender posts it, waits for a receive that never comes, and every "
+             "rank fails at the deadline with a timeout instead of a wrong-size SyncError; the group is unusable",
 }
 
 
@@ -72,7 +79,9 @@ def _run(fault: str, out: Path) -> dict:
             "rc_restart": [p.returncode for p in extra]}
 
 
-@pytest.mark.parametrize("fault", sorted(FAULTS))
+@pytest.mark.parametrize("fault", [
+    pytest.param(f, marks=[pytest.mark.xfail(strict=True, reason=KNOWN_GAPS[f])] if f in KNOWN_GAPS else [])
+    for f in sorted(FAULTS)])
 def test_fault(fault, tmp_path):
     from tests.bridge.fault_worker import TIMEOUT
 
@@ -91,7 +100,8 @@ def test_fault(fault, tmp_path):
         got = ev[str(r)]["fault"]
         assert got["ok"] is False and got["error"] == "SyncError", (r, got, logs)
         assert says in got["message"], (r, got)
-        if fault in ("flip", "truncate", "extend", "drop"):
+        if fault in ("flip", "truncate", "extend", "drop", "extra"):  # the sender, the bucket and the tensor
+            assert "sender rank 0" in got["message"] and "in bucket 2/" in got["message"], got
             assert "param 'linear.weight'" in got["message"] or "param 'norm.weight'" in got["message"], got
         # Every survivor gives up by the deadline (plus a generous margin for a loaded machine).
         assert got["seconds"] < TIMEOUT + C.SLACK, (r, got)
