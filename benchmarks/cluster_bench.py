@@ -324,7 +324,7 @@ def _memcpy_rate() -> float:
     return x.nbytes / statistics.median(times)
 
 
-def _report(title: str, res: dict, plan_bytes: dict, pred: dict | None) -> None:
+def _report(title: str, res: dict, plan_bytes: dict, pred: dict | None, kernel: bool) -> None:
     print(title)
     med = {m: statistics.median(r["times"]) for m, r in res.items()}
     for m, r in res.items():
@@ -336,7 +336,7 @@ def _report(title: str, res: dict, plan_bytes: dict, pred: dict | None) -> None:
         if r.get("delivery"):
             name += f" ({r['delivery']})" if r["delivery"] != name else ""
         line = (f"  {name:<13} median {med[m] * 1e3:8.1f} ms (runs {', '.join(f'{t * 1e3:.0f}' for t in r['times'])}); "
-                f"cross-node bytes: kernel {kb / 1e6:.2f} MB, {planned}")
+                "cross-node bytes: " + (f"kernel {kb / 1e6:.2f} MB, " if kernel else "") + planned)
         if pred is not None:
             line += (f"; predicted {pred[m] * 1e3:7.1f} ms ({pred[m + '_bytes'] / 1e6:.2f} MB), "
                      f"predicted / measured {pred[m] / med[m]:.2f}")
@@ -345,6 +345,11 @@ def _report(title: str, res: dict, plan_bytes: dict, pred: dict | None) -> None:
         print(f"  hierarchical speed-up over direct: {med['never'] / med['always']:.2f}x (goal >= 1.5x)")
     else:
         print("  hierarchical: not run (this executor has no hierarchical= option yet)")
+
+
+def _load() -> str:
+    """The machine's load average: the other work the measured processes share the cores with."""
+    return "load average (1, 5, 15 min): " + " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def _machine() -> str:
@@ -374,6 +379,7 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=int, default=16)
     ap.add_argument("--transfer-mb", type=int, default=32, help="model size of part (b), float32")
     ap.add_argument("--timeout", type=float, default=1200)
+    ap.add_argument("--no-cluster", action="store_true", help="run on the machine's loopback, as without root")
     for hidden in ("--bridge-rank", "--transfer-rank", "--rank", "--port", "--jax-port"):
         ap.add_argument(hidden, type=int, default=-1, help=argparse.SUPPRESS)
     ap.add_argument("--master", default="127.0.0.1", help=argparse.SUPPRESS)
@@ -388,7 +394,7 @@ def main() -> None:
 
     print("jreshard on a simulated cluster")
     print("machine:", _machine())
-    reason = unavailable()
+    reason = "--no-cluster" if a.no_cluster else unavailable()
     cluster = None if reason else Cluster(NODES, rate_mbit=a.rate_mbit, latency_ms=a.latency_ms).up()
     try:
         if cluster is None:
@@ -401,6 +407,7 @@ def main() -> None:
             print(f"cluster: {NODES} nodes x {PER_NODE} ranks, links shaped to {a.rate_mbit:g} Mbit/s per direction, "
                   f"latency {a.latency_ms:g} ms " + ("applied (netem)" if cluster.latency_shaped else
                                                     "NOT applied (this kernel has no netem qdisc)"))
+        print(_load())
         copy = _memcpy_rate()
         print(f"measured: shaped link {shaped * 8 / 1e6:.0f} Mbit/s ({shaped / 1e6:.1f} MB/s), loopback in a node "
               f"{loop * 8 / 1e9:.2f} Gbit/s, memory copy {copy / 1e9:.2f} GB/s, 1-byte TCP round trip across "
@@ -416,7 +423,8 @@ def main() -> None:
                     f"{cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, bfloat16 on "
                     f"the wire, {a.bucket_mb} MiB buckets {r['buckets']}; {a.reps} repetitions after a warm-up; all "
                     f"modes give the same weights: {r['same']} ({time.perf_counter() - t0:.0f} s)",
-                    r["results"], r["plan_bytes"], pred["a"] if pred else None)
+                    r["results"], r["plan_bytes"], pred["a"] if pred else None, cluster is not None)
+        print(_load())
         if "b" in a.parts:
             t0 = time.perf_counter()
             rs = run_transfer(a, cluster)
@@ -431,7 +439,8 @@ def main() -> None:
             _report(f"\n(b) jreshard.transfer: 4 JAX processes x 2 devices (one per node, gloo), "
                     f"{len(_transfer_shapes(a))} float32 leaves of 1024x1024 FSDP over nodes 0-1 -> replicated on "
                     f"nodes 2-3; bit-exact: {all(r['exact'] for r in rs)} ({time.perf_counter() - t0:.0f} s)",
-                    merged, {"never": nb}, pred["b"] if pred else None)
+                    merged, {"never": nb}, pred["b"] if pred else None, cluster is not None)
+        print(_load())
     finally:
         if cluster is not None:
             cluster.down()
