@@ -52,6 +52,9 @@ NODES, PER_NODE = 4, 2
 TRAINERS, RECEIVERS = (0, 1, 2, 3), (4, 5, 6, 7)  # bridge ranks; rank r sits in node r // PER_NODE
 DOMAINS = [[2 * k, 2 * k + 1] for k in range(NODES)]
 MODES = ("never", "always")
+NAMES = {"never": "direct", "always": "hierarchical"}
+# The steps of a bridge sync that Sender.stats and Receiver.stats time (seconds).
+STEPS = ("handshake", "pack", "vote", "post", "wait", "check", "unpack")
 MiB = 1 << 20
 
 
@@ -106,15 +109,17 @@ def bridge_worker(a) -> None:
         t = torch.tensor([dt], dtype=torch.float64)
         n = torch.tensor([_tx_bytes() - c0 if count else 0, int(stats.get("cross_domain_sent", 0))],
                          dtype=torch.int64)
+        steps = torch.tensor([float(stats.get(k, 0.0)) for k in STEPS], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         dist.all_reduce(n)
-        return float(t.item()), int(n[0]), int(n[1])
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+        return float(t.item()), int(n[0]), int(n[1]), steps.tolist()
 
-    results: dict = {m: {"times": [], "bytes": [], "counted": []} for m in plans}
+    results: dict = {m: {"times": [], "bytes": [], "counted": [], "steps": []} for m in plans}
 
-    def record(m: str, rep: int, measured: tuple[float, int, int]) -> None:
+    def record(m: str, rep: int, measured: tuple) -> None:
         if rep:  # the first repetition warms up
-            for key, v in zip(("times", "bytes", "counted"), measured, strict=True):
+            for key, v in zip(("times", "bytes", "counted", "steps"), measured, strict=True):
                 results[m][key].append(v)
 
     if rank in TRAINERS:
@@ -328,7 +333,7 @@ def _report(title: str, res: dict, plan_bytes: dict, pred: dict | None, kernel: 
     print(title)
     med = {m: statistics.median(r["times"]) for m, r in res.items()}
     for m, r in res.items():
-        name = {"never": "direct", "always": "hierarchical"}[m]
+        name = NAMES[m]
         kb = statistics.median(r["bytes"])
         planned = f"plan {plan_bytes[m] / 1e6:.2f} MB" if m in plan_bytes else ""
         if r.get("counted"):
@@ -341,6 +346,11 @@ def _report(title: str, res: dict, plan_bytes: dict, pred: dict | None, kernel: 
             line += (f"; predicted {pred[m] * 1e3:7.1f} ms ({pred[m + '_bytes'] / 1e6:.2f} MB), "
                      f"predicted / measured {pred[m] / med[m]:.2f}")
         print(line)
+    for m, r in res.items():
+        if r.get("steps"):
+            per = [statistics.median(x[i] for x in r["steps"]) for i in range(len(STEPS))]
+            print(f"  {NAMES[m]}: seconds per step, slowest rank, medians: "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in zip(STEPS, per, strict=True)))
     if len(med) == 2:
         print(f"  hierarchical speed-up over direct: {med['never'] / med['always']:.2f}x (goal >= 1.5x)")
     else:
