@@ -7,7 +7,7 @@ then an xxh3-64 digest of every piece. Every rank then reaches the same verdict 
 the same table:
 
 * a rank reported a failure (an exception while packing or unpacking, corrupt data
-  in the previous bucket): every rank raises ``SyncError`` naming it;
+  in an earlier bucket): every rank raises ``SyncError`` naming it;
 * a sender's byte count differs from the plan's: every rank raises ``SyncError``
   naming the sender, the bucket and the tensor, and no payload of the bucket is
   posted, so a wrong-size message never reaches gloo (which would abort the process);

@@ -10,7 +10,7 @@ Protocol of one sync, every rank of the group taking part:
    ``bridge._plan_key``), so the error says what differs.
 2. Votes: before each bucket's payload moves, one ``all_gather`` of a fixed-length
    int64 row per rank (``bridge._vote``): the rank's status (an exception while
-   packing or unpacking, a checksum mismatch found in the previous bucket), the byte
+   packing or unpacking, a checksum mismatch found in an earlier bucket), the byte
    count of every segment it is about to send and an xxh3-64 digest of every piece.
    Every rank reaches the same verdict from the same table; on a failure or a byte
    count that differs from the plan every rank raises ``SyncError`` naming the rank,
@@ -24,8 +24,9 @@ Protocol of one sync, every rank of the group taking part:
    there; a piece contiguous in the receiver's param is received straight into
    it; the other pieces travel packed, runs of them as one operation. Bucket buffers
    come from two arenas per side, so the sender packs bucket b+1 while bucket b is on
-   the wire and the receiver unpacks bucket b while bucket b+1 arrives. Receivers check
-   every piece's digest before unpacking it and report a mismatch in the next vote.
+   the wire and the receiver checks and unpacks bucket b while bucket b+1 arrives. Receivers
+   check every piece's digest before unpacking it and report a mismatch in the next vote
+   (that of bucket b+2, or the final ack).
 4. Final ack: the vote after the last bucket; receivers commit only when every rank
    reported success.
 
@@ -411,20 +412,20 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
         for w, op in zip(works, state.ops if state is not None else list[_Op](), strict=True):
             _wait(w, deadline, f"bucket {b}/{nb} with peer rank {op.peer}", rank)
 
-    def received(works: list, state: _Bucket | None, b: int, mine: Status, expected: dict) -> Status:
-        """Waits for bucket ``b - 1`` (``state``) and checks its digests."""
-        timed("wait", wait_all, works, state, b)
+    def finish(state: _Bucket | None, b: int, mine: Status, expected: dict) -> Status:
+        """Checks the digests of bucket ``b`` (``state``, arrived), then unpacks it."""
         if state is not None and mine.code == Code.OK:
-            mine = timed("check", check, state, b - 1, expected)
-        return mine
+            mine = timed("check", check, state, b, expected)
+        return timed("unpack", unpack_all, state, b, mine)
 
     try:
-        # Bucket b+1 is packed while bucket b is on the wire, and bucket b is unpacked while
-        # bucket b+1 is. Each bucket's payload is posted only after every rank voted for it.
+        # Bucket b+1 is packed while bucket b is on the wire, and bucket b is checked and unpacked
+        # while bucket b+1 is; a failure there is announced in the vote after. Each bucket's payload
+        # is posted only after every rank voted for it.
         for b in range(nb + 1):
             if b == plan.stage2_bucket:  # stage 2 forwards what stage 1 delivered: finish stage 1 first
-                mine = received(works, cur, b, mine, expected)
-                mine = timed("unpack", unpack_all, cur, b - 1, mine)
+                timed("wait", wait_all, works, cur, b)
+                mine = finish(cur, b - 1, mine, expected)
                 cur, works = None, []
             nxt = None
             if b < nb and mine.code == Code.OK:
@@ -432,13 +433,13 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
                     nxt = timed("pack", prepare, b)
                 except Exception as e:  # announced in this bucket's vote
                     mine = failed(b, e)
-            mine = received(works, cur, b, mine, expected)
-            if b == nb:  # the last bucket is unpacked before the final ack, so a failure there is announced
-                mine = timed("unpack", unpack_all, cur, b - 1, mine)
+            timed("wait", wait_all, works, cur, b)
+            if b == nb:  # the last bucket is checked and unpacked before the final ack, which announces a failure
+                mine = finish(cur, b - 1, mine, expected)
             new_expected = timed("vote", vote, b, nxt, mine)
             works = timed("post", post, nxt, b) if nxt is not None else []
             if b < nb:
-                mine = timed("unpack", unpack_all, cur, b - 1, mine)
+                mine = finish(cur, b - 1, mine, expected)
             cur, expected = nxt, new_expected
     finally:
         if bar is not None:

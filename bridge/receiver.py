@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import time
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -310,6 +311,7 @@ class Receiver:
                            recv=lambda m, buf: self._recv(into, m, buf),
                            unpack=lambda m, buf: self._unpack(into, m, buf), progress=self.progress,
                            device=next(iter(self.params.values())).device, arena=self._arena, stats=self.stats)
+        start = time.perf_counter()
         if self.atomic:
             with torch.no_grad():
                 for name, dst in list(self.params.items()):
@@ -320,6 +322,7 @@ class Receiver:
                         self.params[name], shadow[name] = shadow[name], dst
                     else:
                         dst.copy_(shadow[name])
+        self.stats["commit"] = time.perf_counter() - start
         self.consistent = True
         self.version = version
         return version
