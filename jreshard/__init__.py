@@ -40,6 +40,7 @@ __all__ = [
     "TensorPlan",
     "check_tensor_plan",
     "clear_cache",
+    "last_transfer_stats",
     "plan",
     "plan_layouts",
     "reference",
@@ -52,6 +53,7 @@ __all__ = [
 _LAZY: dict[str, str] = {
     "transfer": "jreshard.jax_executor.transfer",
     "release_transfer_buffers": "jreshard.jax_executor.transfer",
+    "last_transfer_stats": "jreshard.jax_executor.transfer",
 }
 # Submodules reachable as attributes (`jreshard.cost.predict(...)`) without importing
 # them up front: `viz` needs matplotlib, `nn` flax, the rest only the planner.

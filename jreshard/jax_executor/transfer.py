@@ -24,7 +24,8 @@ same device, in the same dtype, is reused without a copy.
 node share NVLink) holds several replicas of a target, stage 1 sends each byte
 into the domain once, spread over its replicas (``jreshard.core.hierarchical``),
 and stage 2 completes the replicas with local copies. ``"auto"`` takes it when the
-cost model (``jreshard.fleet.hierarchical.decide``) predicts it faster.
+devices lie in several domains and the cost model
+(``jreshard.fleet.hierarchical.decide``) predicts it faster.
 
 The executor of a (plan, shardings, dtypes, transport, cap) is cached, so a
 second transfer of the same pytree builds and compiles nothing. The first one
@@ -154,7 +155,8 @@ def transfer(params: Any, target: Any, *, plan: Plan | TensorPlan | None = None,
       hierarchical: ``"never"`` (every destination shard straight from a source),
         ``"always"`` (where a domain holds two or more replicas of a target, each byte
         crosses into it once, spread over its replicas, then local copies complete them),
-        or ``"auto"``: hierarchical where the cost model predicts it faster
+        or ``"auto"``: hierarchical where the devices lie in several domains and the
+        cost model predicts it faster
         (``jreshard.fleet.hierarchical.decide`` over ``auto_topology``; the same choice
         ``jreshard plan`` prints).
       domains: which devices share fast links: a ``jreshard.Domains`` or a list of
@@ -263,7 +265,10 @@ def auto_topology(platform: str, domains: Domains) -> Topology:
 @functools.lru_cache(maxsize=64)
 def _delivery(spec: Spec, names: tuple[str, ...], domains: Domains, hierarchical: str) -> Any:
     """The cost model's decision (``fleet.hierarchical.decide``) for a spec, made once per spec."""
-    devices: list[Any] = [d for s in spec.targets for d in s.device_set]
+    devices: list[Any] = [d for s in spec.sources + spec.targets for d in s.device_set]
+    touched = set(domains.of([d.id for d in devices]).tolist())  # raises naming a device in no domain
+    if hierarchical == "auto" and len(touched) == 1:
+        hierarchical = "never"  # one domain: no byte crosses a boundary either way
     platforms = {d.platform for d in devices}
     topo = auto_topology(platforms.pop() if len(platforms) == 1 else "", domains)
     src, dst = dict(zip(names, spec.src, strict=True)), dict(zip(names, spec.dst, strict=True))
