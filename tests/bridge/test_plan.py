@@ -340,3 +340,15 @@ def test_hierarchical_bad_arguments(kw, exc, match):
     src = _source(cfg)
     with pytest.raises(exc, match=match):
         bridge.BridgePlan(src, bridge.llama_param_map(cfg, src, [2, 3]), **kw)
+
+
+def test_docs_hierarchical_snippet_runs(capsys):
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "bridge.md").read_text()
+    blocks = [b.split("```")[0] for b in text.split("```python\n")[1:]]
+    (snippet,) = [b for b in blocks if 'hierarchical="always"' in b]
+    scope: dict = {}
+    exec(compile(snippet, "docs/bridge.md", "exec"), scope)
+    lower = C.cross_node_lower_bound(scope["two"], scope["nodes"], 2)
+    assert capsys.readouterr().out.split("#")[0].split() == [str(lower), str(scope["direct"].network_bytes)]
