@@ -85,7 +85,7 @@ def _parse_shape(shape: Any) -> tuple[int, ...]:
             raise TypeError(f"shape must hold ints, got {n!r} in {tuple(shape)!r}.")
         if n < 0:
             raise ValueError(f"shape must have non-negative dims, got {n} in {tuple(shape)!r}.")
-        if n > _INT64_MAX:
+        if int(n) > _INT64_MAX:
             raise ValueError(f"shape dims must fit in int64 (at most 2**63 - 1), got {n} in {tuple(shape)!r}.")
     return tuple(int(n) for n in shape)
 
