@@ -1,7 +1,7 @@
 """Benchmark of jreshard.transfer against the ways a weight sync is done without it.
 
 Run: ``.venv/bin/python benchmarks/transfer_bench.py`` (about 5-7 minutes on 2 cores);
-``--cases d`` runs case (d) alone.
+``--cases d`` runs case (d) alone, ``--cases e`` case (e).
 
 All methods run side by side in one run on 8 simulated CPU devices, several
 repetitions each; the script prints medians, ratios, the machine and versions.
@@ -20,6 +20,11 @@ Cases:
       each method in a fresh process (nothing compiled before its first call), the
       methods taking turns for ``--rounds`` rounds; medians of the first calls and of
       the warm calls.
+  (e) hierarchical delivery: two processes with four devices each (jax.distributed,
+      gloo), the layers FSDP over the first process's devices to TP2 x DP2 in each
+      process (two replicas per process), ``hierarchical="always"`` against
+      ``"never"`` (direct), the methods taking turns; medians, and the bytes that
+      cross the process boundary as the executors counted them.
 
 Methods (a, b): jreshard.transfer (both transports), ``jax.device_put(x, target)``,
 gather-then-scatter (replicate each tensor on the destination devices, then slice),
@@ -250,19 +255,91 @@ def worker(rank: int, port: int, reps: int, target_bytes: int) -> None:
     fn = jax.jit(jax.shard_map(lambda b: jax.lax.ppermute(b, "x", perm), mesh=union, in_specs=P("x"), out_specs=P("x")))
     buf = jax.jit(lambda: jnp.ones((4 * per,), jnp.uint8), out_shardings=NamedSharding(union, P("x")))()
     t_raw, runs_r = _median_time(lambda: fn(buf), reps)
-    if rank == 0:
-        print(json.dumps({"moved": moved, "transfer": t_transfer, "raw": t_raw, "ok": ok,
-                          "runs_transfer": runs_t, "runs_raw": runs_r, "tensors": len(shapes),
-                          "total": sum(x.nbytes for x in params.values())}), flush=True)
+    print(json.dumps({"moved": moved, "transfer": t_transfer, "raw": t_raw, "ok": ok,
+                      "runs_transfer": runs_t, "runs_raw": runs_r, "tensors": len(shapes),
+                      "total": sum(x.nbytes for x in params.values())}), flush=True)
     jax.distributed.shutdown()
 
 
-def run_multiprocess(reps: int, target_bytes: int) -> None:
+# --------------------------------------------------------------------------- case (e)
+
+
+def hier_worker(rank: int, port: int, reps: int, target_bytes: int) -> None:
+    """One process of case (e): hierarchical against direct delivery, taking turns; prints JSON."""
+    _setup(4)
+    import jax
+
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=rank,
+                               initialization_timeout=60)
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import jreshard
+
+    devs = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    train = jax.sharding.Mesh(np.array(devs[:4]), ("fsdp",))
+    serve = jax.sharding.Mesh(np.array(devs).reshape(2, 2, 2), ("proc", "dp", "tp"))
+    shapes = qwen3_layers(target_bytes)
+    params, target = {}, {}
+    for k, (name, shape) in enumerate(shapes.items()):
+        sh = NamedSharding(train, P("fsdp") if len(shape) > 1 else P())
+        params[name] = jax.jit(lambda shape=shape, k=k: (jnp.arange(_prod(shape)) % 251 + k).astype(jnp.bfloat16)
+                               .reshape(shape), out_shardings=sh)()
+        target[name] = NamedSharding(serve, tp_spec(name, len(shape)) if len(shape) > 1 else P())
+    from jreshard.jax_executor.transfer import process_domains
+
+    domains = process_domains()
+    times: dict[str, list[float]] = {"always": [], "never": []}
+    crossing, outs = {}, {}
+    for rep in range(reps + 1):  # the first round compiles and is not timed
+        for how in times:
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(jreshard.transfer(params, target, hierarchical=how))
+            if rep:
+                times[how].append(time.perf_counter() - t0)
+            st = jreshard.last_transfer_stats()
+            crossing[how] = st.cross_domain_bytes
+            outs[how] = out
+            del out
+    import ml_dtypes
+
+    ok = True
+    for k, (name, shape) in enumerate(shapes.items()):  # both outputs against the host values, bit for bit
+        host = (np.arange(_prod(shape)) % 251 + k).astype(ml_dtypes.bfloat16).reshape(shape)
+        ok &= all(np.array_equal(np.asarray(s.data).view(np.uint16), host[s.index].view(np.uint16))
+                  for how in outs for s in outs[how][name].addressable_shards)
+    print(json.dumps({"rank": rank, "times": times, "crossing": crossing, "ok": bool(ok), "tensors": len(shapes),
+                      "total": sum(x.nbytes for x in params.values()), "domains": repr(domains)}), flush=True)
+    jax.distributed.shutdown()
+
+
+def run_hierarchical(reps: int, target_bytes: int) -> None:
+    both = _launch_two("--hier-worker", reps, target_bytes, "e")
+    if both is None:
+        return
+    r = both[0]
+    cross = {how: sum(x["crossing"][how] for x in both) for how in ("always", "never")}
+    med = {how: statistics.median(max(x["times"][how][k] for x in both) for k in range(reps))
+           for how in ("always", "never")}
+    print(f"\ncase (e): 2 processes x 4 CPU devices (gloo), {r['tensors']} tensors, {r['total'] / GiB:.3f} GiB bf16, "
+          f"FSDP on process 0 -> TP2 x DP2 in each process (2 replicas per process); domains {r['domains']}")
+    for how, label in (("always", "hierarchical"), ("never", "direct")):
+        runs = [max(x["times"][how][k] for x in both) for k in range(reps)]
+        print(f"  jreshard.transfer ({label:<12}) median {med[how] * 1e3:8.1f} ms, cross-process "
+              f"{cross[how] / GiB:.3f} GiB; runs {', '.join(f'{t * 1e3:.0f}' for t in runs)}")
+    print(f"  ratio, case (e): direct time / hierarchical time = {med['never'] / med['always']:.2f}x; "
+          f"cross-process bytes direct / hierarchical = {cross['never'] / cross['always']:.2f}x; "
+          f"same outputs: {all(x['ok'] for x in both)}")
+
+
+def _launch_two(flag: str, reps: int, target_bytes: int, case: str) -> list[dict] | None:
+    """Runs ``flag``'s worker in two processes; each one's last JSON line, or None (the failure printed)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(r), "--port", str(port), "--reps", str(reps),
+    procs = [subprocess.Popen([sys.executable, __file__, flag, str(r), "--port", str(port), "--reps", str(reps),
                                "--bytes", str(target_bytes)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for r in range(2)]
     try:
@@ -273,10 +350,16 @@ def run_multiprocess(reps: int, target_bytes: int) -> None:
                 p.kill()
                 p.wait()
     if any(p.returncode for p in procs):
-        print("  case (c) failed:\n" + "\n".join(o[1][-2000:] for o in outs))
+        print(f"  case ({case}) failed:\n" + "\n".join(o[1][-2000:] for o in outs))
+        return None
+    return [json.loads([ln for ln in out.splitlines() if ln.startswith("{")][-1]) for out, _ in outs]
+
+
+def run_multiprocess(reps: int, target_bytes: int) -> None:
+    both = _launch_two("--worker", reps, target_bytes, "c")
+    if both is None:
         return
-    line = [ln for ln in outs[0][0].splitlines() if ln.startswith("{")][-1]
-    r = json.loads(line)
+    r = both[0]
     print(f"\ncase (c): 2 processes x 2 CPU devices (gloo), {r['tensors']} tensors, {r['total'] / GiB:.3f} GiB bf16, "
           f"FSDP on process 0 -> TP2 on process 1; {r['moved'] / GiB:.3f} GiB cross the process boundary")
     for name, t, runs in (("jreshard.transfer (collective)", r["transfer"], r["runs_transfer"]),
@@ -376,11 +459,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--bytes", type=int, default=GiB, help="model size for cases a and b")
     ap.add_argument("--mp-bytes", type=int, default=GiB // 4, help="model size for case c")
-    ap.add_argument("--cases", default="abcd")
+    ap.add_argument("--cases", default="abcde")
     ap.add_argument("--leaves", type=int, default=256, help="leaves for case d")
     ap.add_argument("--rounds", type=int, default=3, help="fresh processes per method for case d")
     ap.add_argument("--first-call-worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--hier-worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.first_call_worker is not None:
@@ -388,6 +472,9 @@ def main() -> None:
         return
     if args.worker is not None:
         worker(args.worker, args.port, args.reps, args.bytes)
+        return
+    if args.hier_worker is not None:
+        hier_worker(args.hier_worker, args.port, args.reps, args.bytes)
         return
     _setup(8)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -400,6 +487,8 @@ def main() -> None:
         run_multiprocess(args.reps, args.mp_bytes)
     if "d" in args.cases:
         run_first_call(args.leaves, args.reps, args.rounds)
+    if "e" in args.cases:
+        run_hierarchical(args.reps, args.mp_bytes)
 
 
 if __name__ == "__main__":
