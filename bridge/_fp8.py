@@ -166,7 +166,7 @@ def _scale_region(p: Param, r: Region, vblocks: tuple[int | None, ...], leaf_sha
             continue
         ends = (lo % b, hi % b if hi != n else 0, o % b, (o + hi - lo) % b if o + hi - lo != size else 0)
         if any(ends):
-            cut = hi - lo if ends[0] or ends[1] else (o if ends[2] else o + hi - lo)
+            cut = next(v for v in (hi - lo, o, lo) if v % b)  # the part's size, else where it starts
             raise ValueError(
                 f"param {p.name!r} on rank {p.rank}: its region from leaf {r.leaf!r} ({lo}:{hi} of leaf dim "
                 f"{d}, at {o} of param dim {i}) cuts the FP8 blocks of {b} in that dim; vLLM refuses this split too "

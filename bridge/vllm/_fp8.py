@@ -1,0 +1,101 @@
+"""FP8 models in the vLLM backend: the engine's block format, the FP8 sync of a recipe, its targets checked.
+
+An engine that serves a block-quantized FP8 checkpoint (``quantization_config``
+``{"quant_method": "fp8", "weight_block_size": [n, k]}``) holds, per linear layer and
+rank, ``weight`` as ``float8_e4m3fn`` ``[out/tp, in]`` (or ``[out, in/tp]``) and
+``weight_scale_inv`` float32 ``[ceil(out/tp/n), ceil(in/k)]`` (vLLM's
+``Fp8LinearMethod`` and ``BlockQuantScaleParameter``); these are its logical targets
+(``bridge.vllm._model.live_targets``), and ``write_layers`` puts new FP8 weights and
+scales into them and reruns the layer's post-load processing (the CPU kernel's weight
+packing) as for any other weights. The sync then differs in three places, each a call
+here:
+
+1. ``fp8_sync_map``: the recipe's param map made FP8 exactly for the params the engine
+   holds in FP8 (``bridge.fp8_param_map``, with the engine's block);
+2. ``check_fp8_targets``: the targets compared with the FP8 params under the engine's
+   dtypes (FP8 weights travel as ``wire_dtype`` bytes);
+3. ``as_engine_dtypes``: the received FP8 bytes viewed as ``float8_e4m3fn`` before
+   ``write_layers`` (a copy from ``uint8`` would convert values, not move bits).
+
+The trainer quantizes with ``bridge.fp8_sender.quantize_params(params, fp8)`` on the
+same ``Fp8ParamMap``. Per-tensor FP8 checkpoints (``weight_scale``, one per logical
+part of a fused layer) are not handled.
+
+Example:
+  >>> from bridge.vllm._fp8 import engine_fp8_format
+  >>> engine_fp8_format({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]})
+  Fp8Format(block=(128, 128), dtype='float8_e4m3fn', amax_floor=0.0001, scaling='reciprocal')
+  >>> engine_fp8_format(None) is None
+  True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from bridge._fp8 import Fp8ParamMap, fp8_param_map
+from bridge._param_map import ParamMap
+from bridge._source import Source
+from bridge.vllm._handshake import Target, check_targets
+from jreshard.core.fp8 import Fp8Format
+
+__all__ = ["engine_fp8_format", "fp8_sync_map", "check_fp8_targets", "as_engine_dtypes"]
+
+_FORMATS = {"e4m3": "float8_e4m3fn"}
+
+
+def engine_fp8_format(quant_config: Mapping[str, Any] | None) -> Fp8Format | None:
+    """The block format of a checkpoint's ``quantization_config``; ``None`` when it is not FP8.
+
+    Raises:
+      TypeError: ``quant_config`` is not a mapping.
+      ValueError: an FP8 config without ``weight_block_size`` (per-tensor scales) or in
+        another FP8 format than e4m3.
+    """
+    if quant_config is None:
+        return None
+    if not isinstance(quant_config, Mapping):
+        raise TypeError(f"quant_config must be the checkpoint's quantization_config mapping, got "
+                        f"{type(quant_config).__name__}.")
+    if quant_config.get("quant_method") != "fp8":
+        return None
+    block = quant_config.get("weight_block_size")
+    if not block:
+        raise ValueError(f"quant_config {dict(quant_config)} is per-tensor FP8 (no weight_block_size): vLLM keeps "
+                         "one weight_scale per logical part of a fused layer, which the sync does not fill; "
+                         "serve a block-quantized checkpoint (weight_block_size [128, 128]).")
+    fmt = quant_config.get("fmt", "e4m3")
+    if fmt not in _FORMATS:
+        raise ValueError(f"quant_config fmt {fmt!r} is not supported; the sync quantizes to {list(_FORMATS)}.")
+    return Fp8Format(block=tuple(block), dtype=_FORMATS[fmt])
+
+
+def fp8_sync_map(source: Source, param_map: ParamMap, targets: Mapping[int, Sequence[Target]],
+                 fmt: Fp8Format) -> Fp8ParamMap:
+    """The FP8 sync of a recipe's ``param_map``: quantized exactly where the engine's target is FP8.
+
+    Args:
+      source: the trainer's leaves.
+      param_map: the recipe's params (``build_param_map``, names resolved).
+      targets: every worker's live targets.
+      fmt: the engine's format (``engine_fp8_format``).
+    """
+    fp8_names = {t.name for live in targets.values() for t in live if t.dtype == fmt.dtype}
+    return fp8_param_map(source, param_map, fmt, quantize=lambda name: name in fp8_names)
+
+
+def check_fp8_targets(fp8: Fp8ParamMap, targets: Mapping[int, Sequence[Target]]) -> list[str]:
+    """What differs between the FP8 sync's params, under the engine's dtypes, and the live targets."""
+    engine = ParamMap(dataclasses.replace(p, dtype=fp8.fmt.dtype) if p.name in fp8.weights else p
+                      for p in fp8.param_map.params)
+    return check_targets(engine, targets)
+
+
+def as_engine_dtypes(values: Mapping[str, Any], fp8: Fp8ParamMap) -> dict[str, Any]:
+    """Received tensors by param name, the FP8 weights' bytes viewed as FP8 (same storage) for ``write_layers``."""
+    import torch
+
+    dtype = getattr(torch, fp8.fmt.dtype)
+    return {n: t.view(dtype) if n in fp8.weights and t.dtype != dtype else t for n, t in values.items()}
