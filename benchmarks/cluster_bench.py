@@ -41,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -99,7 +100,7 @@ def bridge_worker(a) -> None:
     plans = _bridge_plans(a)
     bridge.init_group(rank, len(TRAINERS) + len(RECEIVERS), port=a.port, host=a.master, timeout=600)
 
-    def timed(fn, stats: dict) -> tuple[float, int, int]:
+    def timed(fn, stats: dict) -> tuple[float, int, int, list[float]]:
         """Seconds of the slowest rank, cross-node bytes counted by the kernel and by the executors."""
         dist.barrier()
         c0, t0 = _tx_bytes(), time.perf_counter()
@@ -138,7 +139,7 @@ def bridge_worker(a) -> None:
         for path, layout in src.items():
             host = rng.standard_normal(layout.shape, dtype=np.float32)
             sharding = NamedSharding(mesh, P(*fsdp_spec(path, host.shape)))
-            params[path] = jax.make_array_from_callback(host.shape, sharding, lambda idx, h=host: h[idx])
+            params[path] = jax.make_array_from_callback(host.shape, sharding, host.__getitem__)
         senders = {m: Sender(p, rank=rank, timeout=600) for m, p in plans.items()}
         for rep in range(a.reps + 1):
             for m, s in senders.items():
@@ -190,7 +191,7 @@ def transfer_worker(a) -> None:
     params, target = {}, {}
     for i, (name, shape) in enumerate(shapes.items()):
         host = np.random.default_rng(i).standard_normal(shape, dtype=np.float32)
-        params[name] = jax.make_array_from_callback(shape, NamedSharding(train, P("fsdp")), lambda idx, h=host: h[idx],
+        params[name] = jax.make_array_from_callback(shape, NamedSharding(train, P("fsdp")), host.__getitem__,
                                                     dtype=np.float32)
         target[name] = NamedSharding(serve, P())
     modes = MODES if "hierarchical" in inspect.signature(jreshard.transfer).parameters else ("never",)
@@ -235,7 +236,7 @@ def _launch(cluster: Cluster | None, ranks: list[tuple[int, list[str]]], env: di
     """Starts one process per (node, argv) (inside its node when there is a cluster); returns their outputs."""
     procs = []
     for node, argv in ranks:
-        kw = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        kw: dict[str, Any] = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         procs.append(cluster.popen(node, argv, **kw) if cluster else
                      subprocess.Popen(argv, start_new_session=True, **kw))
     outs = []
@@ -299,8 +300,8 @@ def predictions(a, shaped: float, fast: dict[str, float], latency_s: float) -> d
     from jreshard.nn import fsdp_spec, param_shapes
 
     src_mesh, dst_mesh = Mesh(np.arange(4), "fsdp"), Mesh(np.arange(4, 8), "dp")
-    cases = {
-        "a": ({p: s for p, s in param_shapes(_config(a)).items()}, "bfloat16", a.bucket_mb * MiB, fsdp_spec),
+    cases: dict[str, tuple[dict, str, int, Any]] = {
+        "a": (dict(param_shapes(_config(a))), "bfloat16", a.bucket_mb * MiB, fsdp_spec),
         "b": (_transfer_shapes(a), "float32", 256 * MiB, lambda p, s: ("fsdp",)),
     }
     out = {}
