@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -75,3 +76,21 @@ def test_bad_arguments_name_the_argument():
         cluster.Cluster(0)
     with pytest.raises(ValueError, match="rate_mbit must be > 0"):
         cluster.Cluster(2, rate_mbit=0)
+
+
+@needs_namespaces
+def test_a_terminated_run_tears_its_cluster_down():
+    code = ("import sys, time; sys.path.insert(0, 'benchmarks'); from cluster import Cluster; "
+            "c = Cluster(1).up(); print(c.prefix, flush=True); time.sleep(60)")
+    with subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).parents[1], stdout=subprocess.PIPE,
+                          text=True) as p:
+        try:
+            assert p.stdout is not None
+            prefix = p.stdout.readline().strip()
+            assert f"{prefix}-node0" in _namespaces()
+            p.terminate()
+            assert p.wait(timeout=20) == 128 + signal.SIGTERM
+        finally:
+            if p.poll() is None:
+                p.kill()
+    assert not [n for n in _namespaces() if n.startswith(prefix + "-")]
