@@ -30,8 +30,8 @@ import xxhash
 
 from bridge._plan import BridgePlan, Message
 
-__all__ = ["Code", "Status", "Failure", "row_length", "make_row", "verdict", "digests", "expected_digests",
-           "describe", "UNCHECKED"]
+__all__ = ["Code", "Status", "Failure", "row_length", "make_row", "send_digests", "verdict", "digests",
+           "expected_digests", "describe", "UNCHECKED"]
 
 TEXT_WORDS = 24  # 192 bytes of an error message travel with a failure status
 HEAD = 6 + TEXT_WORDS  # code, bucket, peer, move, checksummed, text length, text
@@ -97,25 +97,40 @@ def digests(plan: BridgePlan, m: Message, tensors: Sequence[torch.Tensor]) -> li
     return out
 
 
+def send_digests(plan: BridgePlan, sends: Sequence[tuple[Message, Sequence[torch.Tensor]]],
+                 checksum: bool) -> list[int]:
+    """The digest of every piece in ``sends``; ``UNCHECKED`` for a message whose segments are not as planned."""
+    sums: list[int] = []
+    for m, tensors in sends:
+        segs = plan.segments(m)
+        if checksum and len(tensors) == len(segs) and all(
+                t.numel() * t.element_size() == s.stop - s.start for t, s in zip(tensors, segs, strict=True)):
+            sums += digests(plan, m, tensors)
+        else:
+            sums += [UNCHECKED] * len(m.pieces)
+    return sums
+
+
 def make_row(plan: BridgePlan, bucket: int, length: int, status: Status,
-             sends: Sequence[tuple[Message, Sequence[torch.Tensor]]], checksum: bool) -> torch.Tensor:
-    """This rank's row: status, then per segment sent the byte count, then per piece the digest."""
+             sends: Sequence[tuple[Message, Sequence[torch.Tensor]]], checksum: bool,
+             sums: Sequence[int] | None = None) -> torch.Tensor:
+    """This rank's row: status, then per segment sent the byte count, then per piece the digest.
+
+    ``sums``: ``send_digests(plan, sends, checksum)`` if already computed (in another thread).
+    """
     row = np.zeros(length, dtype=np.int64)
     text = status.text.encode()[:TEXT_WORDS * 8]
     row[:6] = (int(status.code), status.bucket, status.peer, status.move, int(checksum), len(text))
     row[6:HEAD].view(np.uint8)[:len(text)] = np.frombuffer(text, dtype=np.uint8)
     counts: list[int] = []
-    sums: list[int] = []
     if status.code == Code.OK:
         for m, tensors in sends:
             segs = plan.segments(m)
             counts += [t.numel() * t.element_size() for t in tensors[:len(segs)]]
             counts += [-1] * (len(segs) - len(tensors))  # a segment not sent at all
-            if checksum and len(tensors) == len(segs) and all(
-                    t.numel() * t.element_size() == s.stop - s.start for t, s in zip(tensors, segs, strict=True)):
-                sums += digests(plan, m, tensors)
-            else:
-                sums += [UNCHECKED] * len(m.pieces)
+        sums = send_digests(plan, sends, checksum) if sums is None else sums
+    else:
+        sums = []
     row[HEAD:HEAD + len(counts)] = counts
     row[HEAD + len(counts):HEAD + len(counts) + len(sums)] = sums
     return torch.from_numpy(row)

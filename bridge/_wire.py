@@ -50,6 +50,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -352,9 +353,10 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
         except RuntimeError as e:  # gloo fails at once when a peer's connection is already closed
             raise SyncError(f"rank {rank}: posting bucket {b + 1}/{plan.num_buckets} failed: {e}") from e
 
-    def vote(b: int, state: _Bucket | None, mine: Status) -> dict[tuple[int, int], int]:
+    def vote(b: int, state: _Bucket | None, mine: Status, sums: Future | None) -> dict[tuple[int, int], int]:
         length = _vote.row_length(plan, b, ranks)
-        row = _vote.make_row(plan, b, length, mine, state.sends if state is not None else [], checksum)
+        row = _vote.make_row(plan, b, length, mine, state.sends if state is not None else [], checksum,
+                             sums.result() if sums is not None else None)
         table = [torch.empty_like(row) for _ in ranks]
         what = f"the vote on bucket {b + 1}/{nb}" if b < nb else "the final ack"
         _wait(dist.all_gather(table, row, group=group, async_op=True), deadline, what, rank)
@@ -418,6 +420,9 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
             mine = timed("check", check, state, b, expected)
         return timed("unpack", unpack_all, state, b, mine)
 
+    # The digests of what this rank sends in a bucket are computed in a thread (xxhash releases the
+    # GIL) while it waits for the previous bucket; the vote carries them.
+    hasher = ThreadPoolExecutor(1, thread_name_prefix="bridge-digests") if checksum else None
     try:
         # Bucket b+1 is packed while bucket b is on the wire, and bucket b is checked and unpacked
         # while bucket b+1 is; a failure there is announced in the vote after. Each bucket's payload
@@ -427,21 +432,25 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
                 timed("wait", wait_all, works, cur, b)
                 mine = finish(cur, b - 1, mine, expected)
                 cur, works = None, []
-            nxt = None
+            nxt, sums = None, None
             if b < nb and mine.code == Code.OK:
                 try:
                     nxt = timed("pack", prepare, b)
                 except Exception as e:  # announced in this bucket's vote
                     mine = failed(b, e)
+            if nxt is not None and hasher is not None and nxt.sends:
+                sums = hasher.submit(_vote.send_digests, plan, nxt.sends, True)
             timed("wait", wait_all, works, cur, b)
             if b == nb:  # the last bucket is checked and unpacked before the final ack, which announces a failure
                 mine = finish(cur, b - 1, mine, expected)
-            new_expected = timed("vote", vote, b, nxt, mine)
+            new_expected = timed("vote", vote, b, nxt, mine, sums)
             works = timed("post", post, nxt, b) if nxt is not None else []
             if b < nb:
                 mine = finish(cur, b - 1, mine, expected)
             cur, expected = nxt, new_expected
     finally:
+        if hasher is not None:
+            hasher.shutdown(wait=True, cancel_futures=True)
         if bar is not None:
             bar.close()
     elapsed = tally["seconds"] = time.perf_counter() - start
