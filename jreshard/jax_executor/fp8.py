@@ -160,8 +160,12 @@ def _block_max(a: jax.Array, dim: int, b: int, start: Any, width: int) -> jax.Ar
 
 
 def _expand_dim(g: jax.Array, dim: int, b: int, start: Any, n: int) -> jax.Array:
-    """Element ``i`` of ``dim`` gets block ``(start + i) // b`` of ``g``."""
-    return jnp.take(g, (start + jnp.arange(n)) // b, axis=dim)
+    """Element ``i`` of ``dim`` gets block ``(start + i) // b`` of ``g`` (``0 <= start < b``)."""
+    shape = list(g.shape)
+    keep = (*range(dim + 1), *range(dim + 2, g.ndim + 1))  # g's dims; dim + 1 is the new one
+    wide = jax.lax.broadcast_in_dim(g, (*shape[:dim + 1], b, *shape[dim + 1:]), keep)
+    shape[dim] *= b
+    return jax.lax.dynamic_slice_in_dim(wide.reshape(shape), start, n, dim)
 
 
 @functools.lru_cache(maxsize=512)
@@ -353,6 +357,9 @@ def transfer(params: Any, target: Any, *, block: Any = (128, 128), dtype: Any = 
         raise ValueError("block must be a block shape such as (128, 128), (None, None) or (1, None), or an Fp8Format.")
     base = fp8_format(block)
     leaves = parse(params, target, mesh=mesh, dtype=dtype, need_data=True)
+    if not any(canonical_dtype(dt).startswith("float8") for dt in leaves.dtypes):
+        raise ValueError(f"block={block!r} quantizes the leaves whose dtype is an FP8 type, but dtype={dtype!r} "
+                         "gives none; pass dtype='float8_e4m3fn' (or a pytree prefix naming FP8 leaves).")
     values: list[Any] = []
     targets: list[Sharding] = []
     out_dtypes: list[Any] = []
