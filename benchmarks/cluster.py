@@ -398,11 +398,14 @@ def main() -> None:
         return _send(args.send[0], int(args.send[1]), float(args.send[2]))
     if args.pingpong is not None:
         return _pingpong(args.pingpong[0], int(args.pingpong[1]), int(args.pingpong[2]))
+    reason = unavailable()
     if args.cleanup:
-        gone = cleanup(args.all) if unavailable() is None else []
+        if reason:
+            print(f"nothing to clean up: {reason}")
+            return
+        gone = cleanup(args.all)
         print(f"removed {len(gone)} namespace(s)" + (f": {', '.join(gone)}" if gone else ""))
         return
-    reason = unavailable()
     if reason:
         print(f"no simulated cluster: {reason}; measuring the machine's loopback instead")
         print(f"loopback: {stream_rate(None, 0, 0, args.seconds) * 8 / 1e9:.2f} Gbit/s")
