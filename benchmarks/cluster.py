@@ -347,19 +347,18 @@ def _pair(cluster: Cluster | None, server: int, client: int, srv_args: list[str]
         argv = [sys.executable, os.path.abspath(__file__), *args]
         return cluster.command(node, argv) if cluster else argv
 
-    srv = subprocess.Popen(cmd(server, srv_args), stdout=subprocess.PIPE, text=True)
-    try:
-        assert srv.stdout is not None
-        if srv.stdout.readline().strip() != "READY":
-            raise RuntimeError("the measuring server did not start")
-        cli = subprocess.run(cmd(client, cli_args), capture_output=True, text=True, timeout=timeout)
-        if cli.returncode:
-            raise RuntimeError(f"the measuring client failed: {cli.stderr[-2000:]}")
-        out = srv.communicate(timeout=timeout)[0]
-    finally:
-        if srv.poll() is None:
-            srv.kill()
-            srv.wait()
+    with subprocess.Popen(cmd(server, srv_args), stdout=subprocess.PIPE, text=True) as srv:
+        try:
+            assert srv.stdout is not None
+            if srv.stdout.readline().strip() != "READY":
+                raise RuntimeError("the measuring server did not start")
+            cli = subprocess.run(cmd(client, cli_args), capture_output=True, text=True, timeout=timeout)
+            if cli.returncode:
+                raise RuntimeError(f"the measuring client failed: {cli.stderr[-2000:]}")
+            out = srv.communicate(timeout=timeout)[0]
+        finally:
+            if srv.poll() is None:
+                srv.kill()
     return json.loads((out + cli.stdout).strip().splitlines()[-1])
 
 
