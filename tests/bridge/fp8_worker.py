@@ -38,7 +38,8 @@ FMT = Fp8Format(block=(64, 128))
 
 
 def config() -> LlamaConfig:
-    return LlamaConfig.load("llama-tiny", vocab_size=256, intermediate_size=512, num_hidden_layers=2)
+    # intermediate 256: every linear kernel is [256, 256] or [256, 128], so the trainers compile two quantizers.
+    return LlamaConfig.load("llama-tiny", vocab_size=256, intermediate_size=256, num_hidden_layers=2)
 
 
 def plans() -> tuple[bridge.Fp8ParamMap, bridge.BridgePlan, bridge.BridgePlan]:
