@@ -229,6 +229,11 @@ row("Sender.sync params wrong shape", lambda: sender().sync(jax_params((8, 4)), 
 row("Sender.sync params wrong dtype", lambda: sender().sync(jax_params(dtype=np.int32), version=1), ValueError,
     r"params\['w'\] is \(8, 6\) int32")
 
+for who, call in [("Sender.sync", lambda g: sender().sync(jax_params(), version=1, group=g)),
+                  ("Receiver.sync", lambda g: recv().sync(group=g)),
+                  ("reject_sync", lambda g: bridge.reject_sync(BP, rank=1, group=g))]:
+    row(f"{who} group not registered", lambda call=call: call("x"), ValueError, "group 'x' is not registered")
+
 
 def test_numpy_ints_and_bools_pass_where_ints_and_bools_do():
     rule = R("w", "x", shard=np.int64(0), pad_to=np.int32(2), part=np.int8(1))
