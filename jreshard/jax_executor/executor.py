@@ -252,27 +252,28 @@ class TwoStageExecutor:
             tuple(spec.src_dtypes[i] for i, _ in self.parts), tuple(spec.dtypes[i] for i, _ in self.parts),
             spec.transport, spec.cap, spec.host_packing, tuple(s1[k] for k in keys),
             tuple(spec.src[i] for i, _ in self.parts), tuple(part.stage1 for _, part in self.parts)))
-        fan = [k for k, (_, part) in enumerate(self.parts) if part.target is not None]
+        # Stage-1 leaves that fan out, with their final layouts.
+        targets = {k: part.target for k, (_, part) in enumerate(self.parts) if part.target is not None}
         process_of = {d: dev.process_index for d, dev in devices.items()}
-        local = all(len({process_of[d] for d in self.parts[k][1].target.mesh.device_ids}) == 1  # type: ignore[union-attr]
-                    for k in fan)
-        if local:  # each process fans out its own domains with local copies
-            fan = [k for k in fan if process_of[self.parts[k][1].target.mesh.device_ids[0]] == me]  # type: ignore[union-attr]
-            on_cpu = {devices[d].platform for k in fan for d in self.parts[k][1].stage1.mesh.device_ids} <= {"cpu"}
+        owners = {k: {process_of[d] for d in t.mesh.device_ids} for k, t in targets.items()}
+        if all(len(p) == 1 for p in owners.values()):  # each process fans out its own domains, locally
+            fan = [k for k in targets if owners[k] == {me}]
+            on_cpu = {devices[d].platform for k in fan for d in targets[k].mesh.device_ids} <= {"cpu"}
             transport = "memcpy" if on_cpu and spec.transport != "device_put" else "device_put"
         else:
-            transport = spec.transport
+            fan, transport = list(targets), spec.transport
         self.fan = tuple(fan)  # stage-1 leaves that stage 2 reads, in stage-2 leaf order
         self.stage2 = None
         if fan and two_stage.stage2 is not None:
             s2 = two_stage.stage2
-            targets = [self.parts[k][1].target for k in fan]
+            first = [self.parts[k][1].stage1 for k in fan]
+            final = [targets[k] for k in fan]
+            dtypes = tuple(spec.dtypes[self.parts[k][0]] for k in fan)
             self.stage2 = executor(Spec(
-                s2, tuple(sharding_of(self.parts[k][1].stage1, devices) for k in fan),
-                tuple(sharding_of(t, devices) for t in targets),  # type: ignore[arg-type]
-                tuple(spec.dtypes[self.parts[k][0]] for k in fan), tuple(spec.dtypes[self.parts[k][0]] for k in fan),
-                transport, spec.cap, spec.host_packing and transport != "memcpy", tuple(s2[keys[k]] for k in fan),
-                tuple(self.parts[k][1].stage1 for k in fan), tuple(targets)))  # type: ignore[arg-type]
+                s2, tuple(sharding_of(lay, devices) for lay in first),
+                tuple(sharding_of(lay, devices) for lay in final),
+                dtypes, dtypes, transport, spec.cap, spec.host_packing and transport != "memcpy",
+                tuple(s2[keys[k]] for k in fan), tuple(first), tuple(final)))
         self.transports = (spec.transport, transport if self.stage2 is not None else None)
 
     @property

@@ -266,7 +266,7 @@ def auto_topology(platform: str, domains: Domains) -> Topology:
 def _delivery(spec: Spec, names: tuple[str, ...], domains: Domains, hierarchical: str) -> Any:
     """The cost model's decision (``fleet.hierarchical.decide``) for a spec, made once per spec."""
     devices: list[Any] = [d for s in spec.sources + spec.targets for d in s.device_set]
-    touched = set(domains.of([d.id for d in devices]).tolist())  # raises naming a device in no domain
+    touched = set(domains.of(sorted({d.id for d in devices})).tolist())  # raises naming a device in no domain
     if hierarchical == "auto" and len(touched) == 1:
         hierarchical = "never"  # one domain: no byte crosses a boundary either way
     platforms = {d.platform for d in devices}
