@@ -76,7 +76,7 @@ def _tx_bytes() -> int:
         return 0
 
 
-def _bridge_plans(a) -> dict:
+def _bridge_plans(a, auto: bool = False) -> dict:
     import bridge
     from jreshard.nn import fsdp_spec, param_shapes
 
@@ -86,7 +86,7 @@ def _bridge_plans(a) -> dict:
     if "hierarchical" not in inspect.signature(bridge.BridgePlan).parameters:
         return {"never": bridge.BridgePlan(src, pm, bucket_bytes=a.bucket_mb * MiB)}
     return {m: bridge.BridgePlan(src, pm, bucket_bytes=a.bucket_mb * MiB, hierarchical=m, domains=DOMAINS)
-            for m in MODES}
+            for m in (*MODES, *(["auto"] if auto else []))}
 
 
 def bridge_worker(a) -> None:
@@ -214,13 +214,17 @@ def transfer_worker(a) -> None:
                 if stats is not None:
                     results[m]["counted"].append(stats.cross_domain_bytes)
                     results[m]["delivery"] = stats.delivery
+    auto = ""
+    if len(modes) > 1 and last_stats is not None:  # what hierarchical="auto" takes here, untimed
+        jax.block_until_ready(jreshard.transfer(params, target, hierarchical="auto"))
+        auto = last_stats().delivery
     exact = True
     for i, (name, shape) in enumerate(shapes.items()):
         want = np.random.default_rng(i).standard_normal(shape, dtype=np.float32)
         for m in modes:
             exact &= all(np.array_equal(np.asarray(s.data), want) for s in outs[m][name].addressable_shards)
     stats = jreshard.plan(params, target).stats()
-    print("RESULT " + json.dumps({"rank": a.rank, "results": results, "exact": bool(exact),
+    print("RESULT " + json.dumps({"rank": a.rank, "results": results, "exact": bool(exact), "auto": auto,
                                   "network_bytes": stats.network_bytes}), flush=True)
     multihost_utils.sync_global_devices("done")
     os._exit(0)
@@ -430,11 +434,15 @@ def main() -> None:
             t0 = time.perf_counter()
             r = run_bridge(a, cluster)
             cfg = _config(a)
+            auto_plan = _bridge_plans(a, auto=True).get("auto")
             _report(f"\n(a) bridge: 4 JAX trainers (nodes 0-1) -> 4 torch ranks (nodes 2-3, a full replica each), "
                     f"{cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, bfloat16 on "
                     f"the wire, {a.bucket_mb} MiB buckets {r['buckets']}; {a.reps} repetitions after a warm-up; all "
                     f"modes give the same weights: {r['same']} ({time.perf_counter() - t0:.0f} s)",
                     r["results"], r["plan_bytes"], pred["a"] if pred else None, cluster is not None)
+            if auto_plan is not None:
+                print(f"  BridgePlan(hierarchical='auto') with the nodes as domains takes: "
+                      f"{'hierarchical' if auto_plan.two_stage else 'direct'} delivery")
         print(_load())
         if "b" in a.parts:
             t0 = time.perf_counter()
@@ -451,6 +459,8 @@ def main() -> None:
                     f"{len(_transfer_shapes(a))} float32 leaves of 1024x1024 FSDP over nodes 0-1 -> replicated on "
                     f"nodes 2-3; bit-exact: {all(r['exact'] for r in rs)} ({time.perf_counter() - t0:.0f} s)",
                     merged, {"never": nb}, pred["b"] if pred else None, cluster is not None)
+            if rs[0].get("auto"):
+                print(f"  jreshard.transfer(hierarchical='auto') took: {rs[0]['auto']} delivery")
         print(_load())
     finally:
         if cluster is not None:
