@@ -23,6 +23,7 @@ VLLM_ALLOW_INSECURE_SERIALIZATION=1 for the engine it starts).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -34,33 +35,12 @@ from typing import Any
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-FUSED = ("qkv_proj.weight", "gate_up_proj.weight", "w13_weight", "w2_weight")
 
 
 # ------------------------------------------------------------------ bytes from plans (pure)
-def bytes_per_worker(param_map: Any, source: Any) -> dict[str, dict[int, int]]:
-    """Per worker rank: jreshard (its regions), nccl (every leaf, whole), nccl_m2n (shards or whole leaves)."""
-    itemsize = {"bfloat16": 2, "float16": 2, "float32": 4}
-    total = sum(int(np.prod(lay.shape)) * itemsize[lay.dtype] for _, lay in source.items())
-    out: dict[str, dict[int, int]] = {"jreshard": {}, "nccl": {}, "nccl_m2n": {}}
-    for rank in param_map.ranks:
-        exact = m2n = 0
-        for p in param_map.for_rank(rank):
-            size = itemsize[p.dtype]
-            region = sum(int(np.prod(r.shape)) for r in p.regions) * size
-            exact += region
-            if p.name.endswith(FUSED):
-                leaves = {r.leaf for r in p.regions}
-                m2n += sum(int(np.prod(source.layout(leaf).shape)) for leaf in leaves) * size
-            else:
-                m2n += region
-        out["jreshard"][rank], out["nccl"][rank], out["nccl_m2n"][rank] = exact, total, m2n
-    return out
-
-
 def planner_only() -> None:
     from bridge import Source, trainer_mesh
-    from bridge.vllm._handshake import EngineShape, Recipe, build_param_map
+    from bridge.vllm._handshake import EngineShape, Recipe, build_param_map, bytes_per_worker
     from jreshard.nn import LlamaConfig, MoeConfig, fsdp_spec, param_shapes
 
     models = [("Qwen3-32B", LlamaConfig.load("qwen3-32b"), Recipe.llama),
@@ -81,8 +61,13 @@ def planner_only() -> None:
 
 
 # ------------------------------------------------------------------ the nccl-like baseline, worker side
-def receive_full(worker: Any, host: str, port: int, world: int, specs: list[tuple[str, list[int], str]]) -> int:
-    """On each vLLM worker: receive every full checkpoint tensor by broadcast, load it as vLLM's nccl backend does."""
+def receive_full(worker: Any, host: str, port: int, world: int,
+                 specs: list[tuple[str, list[int], str]]) -> dict[str, float]:
+    """On each vLLM worker: receive every full checkpoint tensor by broadcast, load it as vLLM's nccl backend does.
+
+    Returns this worker's seconds: ``receive`` (waiting in broadcasts), ``load`` (the rest of
+    ``load_weights`` and the reload's finalisation), of which ``process`` (post-load processing).
+    """
     import torch
     import torch.distributed as dist
     from vllm.config import set_current_vllm_config
@@ -93,19 +78,48 @@ def receive_full(worker: Any, host: str, port: int, world: int, specs: list[tupl
 
     model = worker.model_runner.get_model()
     pg = open_group(host, port, 1 + get_tensor_model_parallel_rank(), world, timeout=300.0, name="baseline")
+    clock = {"receive": 0.0, "process": 0.0}
 
     def tensors():
         for name, shape, dtype in specs:
             t = torch.empty(shape, dtype=getattr(torch, dtype))
+            t0 = time.perf_counter()
             dist.broadcast(t, src=0, group=pg)
+            clock["receive"] += time.perf_counter() - t0
             yield name, t
 
-    with set_current_vllm_config(worker.vllm_config), torch.no_grad():
+    with set_current_vllm_config(worker.vllm_config), torch.no_grad(), timed_processing(model, clock):
+        t0 = time.perf_counter()
         initialize_layerwise_reload(model)
         model.load_weights(tensors())
         finalize_layerwise_reload(model, worker.vllm_config.model_config)
+        clock["load"] = time.perf_counter() - t0 - clock["receive"]
     close_group(pg)
-    return 0
+    return clock
+
+
+@contextlib.contextmanager
+def timed_processing(model: Any, clock: dict[str, float]):
+    """Adds the seconds of every layer's ``quant_method.process_weights_after_loading`` to ``clock["process"]``."""
+    methods = {id(m.quant_method): m.quant_method for m in model.modules()
+               if getattr(m, "quant_method", None) is not None}
+
+    def wrap(f):
+        def timed(layer):
+            t0 = time.perf_counter()
+            try:
+                return f(layer)
+            finally:
+                clock["process"] += time.perf_counter() - t0
+        return timed
+
+    for q in methods.values():
+        q.process_weights_after_loading = wrap(q.process_weights_after_loading)  # this instance only
+    try:
+        yield
+    finally:
+        for q in methods.values():
+            del q.process_weights_after_loading
 
 
 # ------------------------------------------------------------------ the live run
@@ -153,6 +167,7 @@ def live(args: argparse.Namespace) -> None:
 
     from bridge.vllm import LLMClient, Recipe, VLLMWeightSync
     from bridge.vllm._group import close_group, open_group
+    from bridge.vllm._handshake import bytes_per_worker
     from jreshard.nn import LlamaConfig, fsdp_spec, init_params
 
     cfg = (LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
@@ -187,34 +202,47 @@ def live(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     report = sync.sync(params, 1)  # opens the group, plans, first sync
     first = time.perf_counter() - t0
-    times = []
+    assert sync.plan is not None
+    plan_bytes = bytes_per_worker(sync.plan.param_map, sync.plan.source)
+    flat = {keystr(k, simple=True, separator="/"): x for k, x in tree_flatten_with_path(params)[0]}
+    specs = [(n, list(a.shape), "float32") for n, a in hf_names(flat, cfg.num_hidden_layers).items()]
+
+    def baseline() -> dict[str, Any]:
+        port, replies = free_port(), []
+        t0 = time.perf_counter()
+        worker_call = threading.Thread(target=lambda: replies.extend(llm.collective_rpc(
+            me.receive_full, args=("127.0.0.1", port, 3, specs))))
+        worker_call.start()
+        pg = open_group("127.0.0.1", port, 0, 3, timeout=300.0, name="baseline")
+        t1 = time.perf_counter()
+        full = {k: np.asarray(jax.device_get(x)) for k, x in flat.items()}  # the gather: every full tensor
+        t2 = time.perf_counter()
+        for a in hf_names(full, cfg.num_hidden_layers).values():
+            dist.broadcast(torch.from_numpy(np.require(a, requirements=["C", "W"])), src=0, group=pg)
+        t3 = time.perf_counter()
+        worker_call.join()
+        total = time.perf_counter() - t0
+        close_group(pg)
+        return {"total": total, "gather": t2 - t1, "send": t3 - t2, "workers": replies}
+
+    # The two methods take turns on the same engine, so that both see the same machine load.
+    runs: dict[str, list[dict[str, Any]]] = {"jreshard": [], "nccl-like": []}
     for v in range(2, 2 + args.reps):
         t0 = time.perf_counter()
         report = sync.sync(params, v)
-        times.append(time.perf_counter() - t0)
-    after_jreshard = greedy()
-    assert sync.plan is not None
-    plan_bytes = bytes_per_worker(sync.plan.param_map, sync.plan.source)
-
-    flat = {keystr(k, simple=True, separator="/"): x for k, x in tree_flatten_with_path(params)[0]}
-    specs = [(n, list(a.shape), "float32") for n, a in hf_names(flat, cfg.num_hidden_layers).items()]
-    base_times = []
-    for _ in range(args.reps):
-        port = free_port()
-        t0 = time.perf_counter()
-        worker_call = threading.Thread(target=llm.collective_rpc, args=(me.receive_full,),
-                                       kwargs={"args": ("127.0.0.1", port, 3, specs)})
-        worker_call.start()
-        pg = open_group("127.0.0.1", port, 0, 3, timeout=300.0, name="baseline")
-        full = {k: np.asarray(jax.device_get(x)) for k, x in flat.items()}  # the gather: every full tensor
-        for a in hf_names(full, cfg.num_hidden_layers).values():
-            dist.broadcast(torch.from_numpy(np.require(a, requirements=["C", "W"])), src=0, group=pg)
-        worker_call.join()
-        base_times.append(time.perf_counter() - t0)
-        close_group(pg)
+        runs["jreshard"].append({"total": time.perf_counter() - t0, "send": report.seconds[0]["send"],
+                                 "workers": [report.seconds[r] for r in sorted(report.bytes_received)]})
+        runs["nccl-like"].append(baseline())
     after_baseline = greedy()
+    sync.sync(params, 2 + args.reps)
+    after_jreshard = greedy()
 
-    j, b = statistics.median(times), statistics.median(base_times)
+    def med(method: str, key: str, worker: bool = False) -> float:
+        """Median over runs; for worker phases, the slowest worker of each run."""
+        return statistics.median(max(w.get(key, 0.0) for w in run["workers"]) if worker else run[key]
+                                 for run in runs[method])
+
+    j, b = med("jreshard", "total"), med("nccl-like", "total")
     print(f"\n{'':<12}{'bytes per worker (ranks 1, 2)':>34}{'sync time (median of ' + str(args.reps) + ')':>26}")
     recv = [report.bytes_received[r] for r in sorted(report.bytes_received)]
     print(f"{'jreshard':<12}{', '.join(f'{x / 2**20:.1f} MiB' for x in recv):>34}{j:>22.3f} s"
@@ -223,9 +251,22 @@ def live(args: argparse.Namespace) -> None:
     print(f"{'nccl-like':<12}{', '.join(f'{x / 2**20:.1f} MiB' for x in full_bytes):>34}{b:>22.3f} s")
     m2n = [plan_bytes["nccl_m2n"][r] for r in sorted(plan_bytes["nccl_m2n"])]
     print(f"{'nccl_m2n':<12}{', '.join(f'{x / 2**20:.1f} MiB' for x in m2n):>34}{'(bytes only)':>24}")
+
+    jp, bp = med("jreshard", "process", True), med("nccl-like", "process", True)
+    print("\nWhere the time goes (seconds, medians; worker phases: the slowest worker):")
+    print(f"  jreshard   trainer send {med('jreshard', 'send'):.3f} (wire handshake, pack, transfer); workers: "
+          f"receive {med('jreshard', 'receive', True):.3f} (of which staging copies "
+          f"{med('jreshard', 'unpack', True):.3f}), commit {med('jreshard', 'commit', True):.3f} "
+          f"(of which vLLM post-load processing {jp:.3f}); the rest (phase calls, reports) "
+          f"{j - med('jreshard', 'send') - med('jreshard', 'commit', True):.3f}")
+    print(f"  nccl-like  trainer gather {med('nccl-like', 'gather'):.3f}, broadcasts {med('nccl-like', 'send'):.3f}; "
+          f"workers: waiting in broadcasts {med('nccl-like', 'receive', True):.3f}, load_weights and reload "
+          f"{med('nccl-like', 'load', True):.3f} (of which vLLM post-load processing {bp:.3f})")
     lower = [plan_bytes["jreshard"][r] for r in sorted(plan_bytes["jreshard"])]
-    print(f"\nbytes per worker = lower bound: {recv == lower}; nccl-like / jreshard time: {b / j:.1f}x; "
-          f"the two leave the same greedy tokens: {after_jreshard == after_baseline}")
+    print(f"\nbytes per worker = lower bound: {recv == lower}; nccl-like / jreshard time: {b / j:.2f}x; "
+          f"excluding each one's post-load processing: {(b - bp) / (j - jp):.2f}x "
+          f"({b - bp:.3f} s vs {j - jp:.3f} s); the two leave the same greedy tokens: "
+          f"{after_jreshard == after_baseline}")
 
 
 def main() -> None:

@@ -64,10 +64,27 @@ def jax_to_torch() -> Figure:
                                                  "q rows of qkv_proj on torch TP ranks 1 and 2 (transposed on arrival)")
 
 
+def vllm_refit() -> Figure:
+    """04_vllm_refit: bytes each vLLM worker receives per sync of the notebook's Qwen3 at TP2, by backend."""
+    import bridge
+    from bridge.vllm import EngineShape, Recipe
+    from bridge.vllm._handshake import build_param_map, bytes_per_worker
+    from jreshard.nn import LlamaConfig, fsdp_spec, param_shapes
+
+    cfg = LlamaConfig.load("llama-tiny", qk_norm=True)
+    source = bridge.Source.build(param_shapes(cfg), bridge.trainer_mesh((8,), "fsdp", ranks=[0], devices_per_rank=8),
+                                 fsdp_spec)
+    tp2 = bytes_per_worker(build_param_map(source, Recipe.llama(cfg), EngineShape(((1, 2),), False, "float32")),
+                           source)
+    return viz.draw_comparison({method: max(per.values()) for method, per in tp2.items()}, baseline="nccl",
+                               title=f"{cfg.name} at vLLM TP2: bytes per worker per sync")
+
+
 FIGURES: dict[str, Callable[[], Figure]] = {
     "01_quickstart": quickstart,
     "02_plan_a_model": plan_a_model,
     "03_jax_to_torch": jax_to_torch,
+    "04_vllm_refit": vllm_refit,
 }
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import time
 from typing import Any
 
 from bridge._plan import BridgePlan
@@ -33,10 +34,20 @@ log = logging.getLogger("bridge")
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SyncReport:
-    """One sync as the workers counted it: the version they received and the bytes each one received."""
+    """One sync as the ranks counted it.
+
+    Attributes:
+      version: the version the workers received.
+      bytes_received: per worker rank, the bytes it received.
+      seconds: per rank of the sync group, where its time went: a trainer's ``send`` (its
+        ``Sender.sync``, wire handshake included); a worker's ``receive`` (its ``Receiver.sync``),
+        of which ``unpack`` (copies from bucket buffers into staging), and ``commit`` (the
+        staging tensors entering the model), of which ``process`` (vLLM's post-load processing).
+    """
 
     version: int
     bytes_received: dict[int, int]
+    seconds: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
 
 
 class VLLMWeightSync:
@@ -148,9 +159,11 @@ class VLLMWeightSync:
                 self.client.start_weight_update()
                 started = True
                 update = self._call("update_weights", {"version": version})
+            t0 = time.perf_counter()
             self.sender.sync(params, version, group=self.group)
-            rows = all_gather_json({"rank": self.rank, "error": None}, self.group, timeout=self.timeout,
-                                   what="the commit report")
+            seconds = {"send": time.perf_counter() - t0}
+            rows = all_gather_json({"rank": self.rank, "error": None, "seconds": seconds}, self.group,
+                                   timeout=self.timeout, what="the commit report")
             _raise_worker_errors(rows, f"committing version {version}")
             if update is not None:
                 update.result()
@@ -167,7 +180,8 @@ class VLLMWeightSync:
             if paused:
                 self.client.resume_generation()
         workers = [r for r in rows if r["rank"] >= self.trainers]
-        return SyncReport(version, {r["rank"]: int(r["bytes_received"]) for r in workers})
+        return SyncReport(version, {r["rank"]: int(r["bytes_received"]) for r in workers},
+                          {r["rank"]: r.get("seconds", {}) for r in rows})
 
     def close(self) -> None:
         """Closes the group (the workers close theirs when a sync fails or on shutdown)."""
