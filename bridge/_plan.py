@@ -5,8 +5,11 @@ plans all of them at once, so replicated trainer shards are balanced across the
 whole model. Each planned move into a param region becomes one or more
 ``ParamMove``s (cut to fit ``bucket_bytes``), each placed as a ``Piece`` at an
 aligned offset of a ``Message``: the bytes of one bucket from one sender rank to
-one receiver rank. Nothing here touches torch or jax: both sides build the same
-``BridgePlan`` and compare its ``fingerprint``.
+one receiver rank. With hierarchical delivery (``hierarchical=``, ``domains=``) the
+region groups are first cut by ``bridge._reduce.two_stage``: stage-1 moves bring each
+byte into each node once, stage-2 moves (``stage=2``, sent by inference ranks) complete
+the replicas inside nodes, in buckets of their own after stage 1's. Nothing here touches
+torch or jax: both sides build the same ``BridgePlan`` and compare its ``fingerprint``.
 """
 
 from __future__ import annotations
