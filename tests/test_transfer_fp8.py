@@ -107,7 +107,9 @@ def test_only_block_amax_crosses_devices():
     hlo = fp8._sharded_program(xs.sharding.mesh, (("fsdp",), ()), (12, 32), Fp8Format(block=(4, 8))).lower(
         xs, np.uint32(0)).compile().as_text()
     reduces = [ln for ln in hlo.splitlines() if "all-reduce(" in ln or "all-reduce-start(" in ln]
-    assert reduces and all("f32[" in ln and "[12,32]" not in ln for ln in reduces), reduces
+    # Block rows 0-2 whole plus a window of 2 (room for a shard's blocks), 4 block columns: 20 floats.
+    assert fp8.amax_reduce(xs.sharding, (12, 32), Fp8Format(block=(4, 8))) == fp8.AmaxReduce(20, 4, ("fsdp",))
+    assert reduces and all("f32[5,4]" in ln for ln in reduces), reduces
     for op in ("all-gather", "all-to-all", "collective-permute"):
         assert op not in hlo
 

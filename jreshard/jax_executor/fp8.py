@@ -47,7 +47,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +60,7 @@ from jreshard.core.fp8_target import fp8_target
 from jreshard.jax_executor import transfer as _transfer
 from jreshard.jax_executor.adapter import parse
 
-__all__ = ["quantize", "quantize_tree", "scale_sharding", "transfer", "fp8_format"]
+__all__ = ["quantize", "quantize_tree", "scale_sharding", "transfer", "fp8_format", "amax_reduce", "AmaxReduce"]
 
 
 def fp8_format(block: Any, dtype: Any = "float8_e4m3fn") -> Fp8Format:
@@ -168,18 +168,54 @@ def _expand_dim(g: jax.Array, dim: int, b: int, start: Any, n: int) -> jax.Array
     return jax.lax.dynamic_slice_in_dim(wide.reshape(shape), start, n, dim)
 
 
-@functools.lru_cache(maxsize=512)
-def _sharded_program(mesh: jax.sharding.Mesh, axes: tuple[tuple[str, ...], ...], shape: tuple[int, ...],
-                     fmt: Fp8Format) -> Callable[[jax.Array], tuple[jax.Array, jax.Array]]:
+class AmaxReduce(NamedTuple):
+    """The partial-amax exchange of one tensor: a ``lax.pmax`` of ``floats`` float32 per device
+    over groups of ``group`` devices (the mesh axes ``axes``); ``floats == 0``: no exchange."""
+
+    floats: int
+    group: int
+    axes: tuple[str, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """float32 bytes each device contributes (an all-reduce moves about twice that per device)."""
+        return 4 * self.floats
+
+
+def _geometry(mesh: jax.sharding.Mesh, axes: tuple[tuple[str, ...], ...], shape: tuple[int, ...], fmt: Fp8Format
+              ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[bool, ...], tuple[int, ...], tuple[str, ...]]:
+    """Per dim: shard size, block size, cut, blocks in one shard's window; and the axes to reduce over."""
     parts = tuple(math.prod(mesh.shape[a] for a in ax) for ax in axes)
     chunk = tuple(n // k for n, k in zip(shape, parts, strict=True))
     bs = fmt.block_shape(shape)
-    grid = fmt.scale_shape(shape)
     cut = _cut_dims(shape, parts, bs)
-    # A cut dim's partial amax spans its whole scale grid (plus room for the window of one shard),
-    # so that the devices sharing a block put it at the same index; the others stay local.
     window = tuple(-(-(c + b - 1) // b) if k else -(-c // b) for c, b, k in zip(chunk, bs, cut, strict=True))
     reduce_axes = tuple(a for ax, k in zip(axes, cut, strict=True) if k for a in ax)
+    return chunk, bs, cut, window, reduce_axes
+
+
+def amax_reduce(sharding: Sharding, shape: tuple[int, ...], fmt: Fp8Format) -> AmaxReduce | None:
+    """What ``quantize`` exchanges for an array of ``shape`` sharded as ``sharding``; ``None`` where
+    XLA partitions the whole-array program (not a ``NamedSharding``) and decides itself."""
+    shape = tuple(int(n) for n in shape)
+    if not isinstance(sharding, NamedSharding):
+        return None
+    axes = _dim_axes(sharding.spec, len(shape))
+    _, _, cut, window, reduce_axes = _geometry(sharding.mesh, axes, shape, fmt)
+    if not reduce_axes:
+        return AmaxReduce(0, 1, ())
+    grid = fmt.scale_shape(shape)
+    floats = math.prod(g + w if k else w for g, w, k in zip(grid, window, cut, strict=True))
+    return AmaxReduce(floats, math.prod(sharding.mesh.shape[a] for a in reduce_axes), reduce_axes)
+
+
+@functools.lru_cache(maxsize=512)
+def _sharded_program(mesh: jax.sharding.Mesh, axes: tuple[tuple[str, ...], ...], shape: tuple[int, ...],
+                     fmt: Fp8Format) -> Callable[[jax.Array], tuple[jax.Array, jax.Array]]:
+    # A cut dim's partial amax spans its whole scale grid (plus room for the window of one shard),
+    # so that the devices sharing a block put it at the same index; the others stay local.
+    chunk, bs, cut, window, reduce_axes = _geometry(mesh, axes, shape, fmt)
+    grid = fmt.scale_shape(shape)
 
     def local(x: jax.Array, zero: jax.Array) -> tuple[jax.Array, jax.Array]:
         x32 = x.astype(jnp.float32)
