@@ -145,23 +145,38 @@ class Param:
 
 def _check_disjoint(p: Param) -> None:
     """Refuses two regions of ``p`` seen through the same view that fill the same elements."""
+    if len(p.regions) < 2:
+        return
     by_view: dict[tuple[int, ...], list[Region]] = {}
     for r in p.regions:
         if math.prod(r.shape):
             by_view.setdefault(r.view_shape(p.shape), []).append(r)
     for regions in by_view.values():
-        if len(regions) < 2:
-            continue
-        lo = np.array([r.offset for r in regions], dtype=np.int64)
-        hi = lo + np.array([r.shape for r in regions], dtype=np.int64)
-        for i in range(len(regions) - 1):  # one row of the pairwise test at a time: O(n) memory
-            hit = np.flatnonzero(((lo[i] < hi[i + 1:]) & (lo[i + 1:] < hi[i])).all(axis=1))
-            if hit.size:
-                a, b = regions[i], regions[i + 1 + int(hit[0])]
-                raise ValueError(
-                    f"param {p.name!r} on rank {p.rank}: regions from {a.leaf!r} (offset {a.offset}, shape "
-                    f"{a.shape}) and {b.leaf!r} (offset {b.offset}, shape {b.shape}) overlap; each element of a "
-                    "param is filled from one place (fused parts need distinct part= numbers).")
+        hit = _first_overlap(regions) if len(regions) > 1 else None
+        if hit is not None:
+            a, b = regions[hit[0]], regions[hit[1]]
+            raise ValueError(
+                f"param {p.name!r} on rank {p.rank}: regions from {a.leaf!r} (offset {a.offset}, shape "
+                f"{a.shape}) and {b.leaf!r} (offset {b.offset}, shape {b.shape}) overlap; each element of a "
+                "param is filled from one place (fused parts need distinct part= numbers).")
+
+
+def _first_overlap(regions: list[Region]) -> tuple[int, int] | None:
+    """The indices of the first two regions (boxes ``[offset, offset + shape)``) that intersect, if any."""
+    lo = [r.offset for r in regions]
+    hi = [tuple(o + n for o, n in zip(r.offset, r.shape, strict=True)) for r in regions]
+    if len(regions) <= 8:  # a fused param's few parts: cheaper in Python than in NumPy
+        for i in range(len(regions)):
+            for j in range(i + 1, len(regions)):
+                if all(a < d and c < b for a, b, c, d in zip(lo[i], hi[i], lo[j], hi[j], strict=True)):
+                    return i, j
+        return None
+    lo_a, hi_a = np.array(lo, dtype=np.int64), np.array(hi, dtype=np.int64)
+    for i in range(len(regions) - 1):  # one row of the pairwise test at a time: O(n) memory
+        k = np.flatnonzero(((lo_a[i] < hi_a[i + 1:]) & (lo_a[i + 1:] < hi_a[i])).all(axis=1))
+        if k.size:
+            return i, i + 1 + int(k[0])
+    return None
 
 
 class ParamMap:
