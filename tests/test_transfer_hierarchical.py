@@ -21,6 +21,7 @@ import jreshard
 from jreshard import Domains
 from jreshard.fleet import cost
 from jreshard.fleet.hierarchical import decide, hierarchical_plan
+from jreshard.jax_executor import transfer as transfer_module
 from jreshard.jax_executor.adapter import parse
 from jreshard.jax_executor.transfer import auto_topology, last_transfer_stats
 
@@ -132,6 +133,28 @@ def test_auto_takes_the_cost_models_decision_and_logs_it(caplog):
     donated = _params(src)
     out = jreshard.transfer(donated, dst, hierarchical="always", domains=domains, donate=True)
     assert all(v.is_deleted() for v in donated.values()) and np.array_equal(np.asarray(out["w"]), HOST["w"])
+
+
+def test_progress_bar_counts_the_bytes_sent(capsys, monkeypatch):
+    src, dst, domains = CASES["fsdp-to-tp2dp2-per-node"]
+    jreshard.transfer(_params(src), dst, hierarchical="always", domains=domains, progress=True)
+    sent = last_transfer_stats().sent_bytes
+    assert f"jreshard transfer process 0:   0%|          | 0.00/{sent / 1e3:.2f}k" in capsys.readouterr().err
+
+    class Bar:
+        n = 0
+
+        def update(self, k):
+            self.n += k
+
+        def close(self):
+            pass
+
+    bar, totals = Bar(), []
+    monkeypatch.setattr(transfer_module, "_progress_bar",
+                        lambda on, total: totals.append(total) or (bar if on else None))
+    jreshard.transfer(_params(src), dst, hierarchical="always", domains=domains, progress=True)
+    assert bar.n == totals[0] == sent  # both stages' sends, as they happened
 
 
 @pytest.mark.parametrize("kwargs, exc, match", [
