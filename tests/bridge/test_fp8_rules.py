@@ -9,13 +9,14 @@ scales as vLLM's TP layers do (tests/bridge/_common.vllm_shards).
 from __future__ import annotations
 
 import math
+import re
 
 import ml_dtypes
 import numpy as np
 import pytest
 
 import bridge
-from bridge._fp8 import scale_leaf, scale_source_layout
+from bridge._fp8 import QUANTIZE_LINEAR, scale_leaf, scale_source_layout
 from jreshard import Layout
 from jreshard.core.fp8 import Fp8Format, quantize
 from jreshard.nn import LlamaConfig, param_shapes
@@ -199,3 +200,40 @@ def test_refusals_of_quantize():
         bridge.fp8_param_map(source, pm, Fp8Format(block=(64, 64)), quantize=r"lm_head\.weight")
     with pytest.raises(TypeError, match=r"quantize must be"):
         bridge.fp8_param_map(source, pm, fmt, quantize=3)
+
+
+@pytest.mark.parametrize("tp_ranks,ep", [([2, 3], 1), ([2, 3], 2)], ids=["tp2", "ep2"])
+def test_moe_experts_quantized_per_expert_and_block(tp_ranks, ep):
+    """Stacked experts ``[E, H, I]`` into vLLM's ``w13_weight``/``w2_weight`` with their scales."""
+    import dataclasses
+
+    from bridge.recipes.qwen3_moe import qwen3_moe_param_map
+    from tests.bridge import test_moe_rules as M
+
+    cfg = M._config(decoder_sparse_step=2)
+    b = 8  # blocks of 8 x 8: the 16-wide expert MLP splits into whole blocks over TP2
+    arrays = M._arrays(param_shapes(cfg), "float32")
+    source = bridge.Source.build(param_shapes(cfg), M.TRAINERS, M._spec)
+    fp8 = bridge.fp8_param_map(source, qwen3_moe_param_map(cfg, source, tp_ranks, ep=ep, vocab_pad=64),
+                               Fp8Format(block=(b, b)))
+    assert fp8.formats["layers_1/mlp/experts/gate_proj"].block == (1, b, b)
+    got = bridge.BridgePlan(fp8.source, fp8.param_map).reference(sent_tree(fp8, arrays))
+    full = M._hf_full(arrays, cfg, "vllm")
+    bits, scales = dict(full), {}
+    for name, w in full.items():
+        if re.fullmatch(QUANTIZE_LINEAR, name):
+            pairs = [ref_quantize(m, b, b) for m in w.reshape(-1, *w.shape[-2:])]
+            bits[name] = np.stack([q for q, _ in pairs]).reshape(w.shape)
+            scales[name] = np.stack([s for _, s in pairs]).reshape(*w.shape[:-2], *pairs[0][1].shape)
+    small = dataclasses.replace(cfg, moe_intermediate_size=cfg.moe_intermediate_size // b)  # the scale grid's sizes
+    for k, rank in enumerate(tp_ranks):
+        c, er, ec = (k, 0, k) if ep == 1 else (k, k, 0)
+        etp = len(tp_ranks) // ep
+        want = M._oracle(bits, cfg, len(tp_ranks), c, ep, er, etp, ec, 64, True)
+        want |= {n + "_scale_inv": s for n, s in M._oracle(scales, small, len(tp_ranks), c, ep, er, etp, ec, 64,
+                                                          True).items()}
+        assert sorted(got[rank]) == sorted(want)
+        assert {"model.layers.1.mlp.experts.w13_weight_scale_inv", "model.layers.1.mlp.experts.w2_weight_scale_inv",
+                "model.layers.0.mlp.gate_up_proj.weight_scale_inv"} <= set(want)
+        for name, w in want.items():
+            np.testing.assert_array_equal(got[rank][name], w.astype(got[rank][name].dtype), err_msg=f"{rank} {name}")
