@@ -126,6 +126,10 @@ def test_auto_takes_the_cost_models_decision_and_logs_it(caplog):
         jreshard.transfer(params, dst, domains=domains)
     assert last_transfer_stats().delivery == decide(*layouts, auto_topology("cpu", domains)).delivery
     assert "hierarchical delivery" in caplog.text or "direct delivery" in caplog.text
+    # With the links of a topology where copies inside a domain are slow, "auto" stays direct.
+    slow_inside = cost.Topology(1, nvlink_GBps=0.001, network_GBps=100, latency_us=0)
+    jreshard.transfer(params, dst, domains=domains, topology=slow_inside)
+    assert last_transfer_stats().delivery == decide(*layouts, slow_inside.with_domains(domains)).delivery == "direct"
     # One process is one domain by default: nothing crosses a boundary, and "auto" delivers directly.
     jreshard.transfer(params, dst)
     stats = last_transfer_stats()
@@ -163,6 +167,7 @@ def test_progress_bar_counts_the_bytes_sent(capsys, monkeypatch):
     ({"domains": [[0, 1], [1, 2]]}, ValueError, r"device 1 is in groups\[0\] and groups\[1\]"),
     ({"domains": [[0, 1, 2, 3]], "hierarchical": "always"}, ValueError, "device 4 lies in no domain"),
     ({"progress": 1}, TypeError, "progress must be True, False or None"),
+    ({"topology": "dgx-h100"}, TypeError, "topology must be a jreshard.fleet.hardware.Topology"),
 ])
 def test_bad_arguments(kwargs, exc, match):
     src, dst, _ = CASES["fsdp-to-tp2dp2-per-node"]

@@ -245,8 +245,9 @@ def format_report(r: dict[str, Any]) -> str:
         ("per receiver (direct)", f"max {_gb(r['max_recv_bytes'])}, mean {_gb(r['mean_recv_bytes'])}"),
         ("messages (direct)", f"{r['messages']:,} sender->receiver pairs"),
         ("predicted jreshard", f"{r['predicted_seconds']['jreshard']:.3f} s with {r['delivery']} delivery"),
-        ("executors' delivery", f"{r['delivery']}: jreshard.transfer(hierarchical={r['hierarchical_setting']!r}) "
-                                "on this topology (domains as NVLink domains) takes it (fleet.hierarchical.decide)"),
+        ("executors' delivery", f"{r['delivery']} (fleet.hierarchical.decide): what jreshard.transfer("
+                                f"hierarchical={r['hierarchical_setting']!r}, domains=topo.domains, topology=topo) "
+                                "takes on this scenario's topology"),
         ("  direct delivery", _links(pred["jreshard_direct"])),
         ("  hierarchical delivery", _links(pred["jreshard_hierarchical"]) if pred["jreshard_hierarchical"]
          else "not predicted (--hierarchical never)" if r["hierarchical_setting"] == "never"

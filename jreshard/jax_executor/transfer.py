@@ -123,7 +123,7 @@ def last_transfer_stats() -> TransferStats | None:
 def transfer(params: Any, target: Any, *, plan: Plan | TensorPlan | None = None, dtype: Any = None,
              donate: bool = False, max_bytes_in_flight: int = DEFAULT_MAX_BYTES_IN_FLIGHT,
              mesh: Any = None, transport: str = "auto", block: Any = None, hierarchical: str = "auto",
-             domains: Any = None, progress: bool | None = None) -> Any:
+             domains: Any = None, topology: Topology | None = None, progress: bool | None = None) -> Any:
     """Moves a pytree of sharded jax Arrays onto another sharding, sending only what each device lacks.
 
     Call it outside ``jax.jit``, on concrete arrays.
@@ -161,6 +161,8 @@ def transfer(params: Any, target: Any, *, plan: Plan | TensorPlan | None = None,
         ``jreshard plan`` prints).
       domains: which devices share fast links: a ``jreshard.Domains`` or a list of
         lists of device ids; ``None``: the devices of each JAX process.
+      topology: the links ``"auto"`` weighs (a ``jreshard.fleet.hardware.Topology``; its
+        bandwidths and latency, over ``domains``); ``None``: ``auto_topology``.
       progress: show a tqdm bar of the bytes sent (``None``: when this process sends
         over 1 GiB and stderr is a terminal).
 
@@ -197,6 +199,9 @@ def transfer(params: Any, target: Any, *, plan: Plan | TensorPlan | None = None,
     if progress is not None and not isinstance(progress, bool):
         raise TypeError(f"progress must be True, False or None, got {progress!r}.")
     groups = _check_domains(domains)
+    if topology is not None and not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a jreshard.fleet.hardware.Topology or None, got {type(topology).__name__}; "
+                        "build one with Topology.from_hardware(name).")
     leaves = parse(params, target, mesh=mesh, dtype=dtype, need_data=True)
     if cap < max(dt.itemsize for dt in leaves.dtypes):
         raise ValueError(f"max_bytes_in_flight={cap} is smaller than one element; raise it.")
@@ -214,7 +219,7 @@ def transfer(params: Any, target: Any, *, plan: Plan | TensorPlan | None = None,
                 tuple(np.dtype(v.dtype) for v in leaves.values), leaves.dtypes, transport, cap, host_packing,
                 tuple(tplans), leaves.src, leaves.dst)
     groups = groups if groups is not None else process_domains()
-    delivery = _delivery(spec, leaves.names, groups, hierarchical)
+    delivery = _delivery(spec, leaves.names, groups, hierarchical, topology)
     ex: Any
     if delivery.two_stage is not None:
         ex = two_stage_executor(spec, leaves.names, delivery.two_stage)
@@ -263,14 +268,16 @@ def auto_topology(platform: str, domains: Domains) -> Topology:
 
 
 @functools.lru_cache(maxsize=64)
-def _delivery(spec: Spec, names: tuple[str, ...], domains: Domains, hierarchical: str) -> Any:
+def _delivery(spec: Spec, names: tuple[str, ...], domains: Domains, hierarchical: str,
+              topology: Topology | None) -> Any:
     """The cost model's decision (``fleet.hierarchical.decide``) for a spec, made once per spec."""
     devices: list[Any] = [d for s in spec.sources + spec.targets for d in s.device_set]
     touched = set(domains.of(sorted({d.id for d in devices})).tolist())  # raises naming a device in no domain
     if hierarchical == "auto" and len(touched) == 1:
         hierarchical = "never"  # one domain: no byte crosses a boundary either way
     platforms = {d.platform for d in devices}
-    topo = auto_topology(platforms.pop() if len(platforms) == 1 else "", domains)
+    topo = (auto_topology(platforms.pop() if len(platforms) == 1 else "", domains) if topology is None
+            else topology.with_domains(domains))
     src, dst = dict(zip(names, spec.src, strict=True)), dict(zip(names, spec.dst, strict=True))
     d = decide(src, dst, topo, hierarchical, direct_plan=spec.plan if isinstance(spec.plan, Plan) else None)
     if d.hierarchical is not None:
