@@ -24,6 +24,7 @@ from bridge._args import check_flag, check_int, check_seconds
 from jreshard import Box, Layout, Mesh, plan, plan_layouts
 from jreshard.fleet import catalog
 from jreshard.fleet.degrees import InferParallel, TrainParallel, parse_degrees
+from jreshard.fleet.presets import stage_of_layers
 from jreshard.fleet.scenario import ScenarioError, load_scenario
 
 M = Mesh(np.arange(4).reshape(2, 2), ("x", "y"))
@@ -297,6 +298,10 @@ row("TrainParallel pp str", lambda: TrainParallel(pp="2"), ValueError, "TrainPar
 row("TrainParallel dp bool", lambda: TrainParallel(dp=True), ValueError, "TrainParallel.dp")
 row("InferParallel ep float", lambda: InferParallel(ep=2.0), ValueError, "InferParallel.ep")
 row("InferParallel dp -1", lambda: InferParallel(dp=-1), ValueError, "InferParallel.dp")
+row("InferParallel tp 2**63", lambda: InferParallel(tp=2**63), ValueError, "InferParallel.tp")
+row("stage_of_layers pp 0", lambda: stage_of_layers(4, 0), ValueError, "pp")
+row("stage_of_layers layers float", lambda: stage_of_layers(4.0, 2), ValueError, "num_layers")
+row("TrainParallel fsdp beyond int64", lambda: TrainParallel(fsdp=1 << 70), ValueError, "TrainParallel.fsdp")
 row("parse_degrees value", lambda: parse_degrees("tp=x", "train"), ValueError, "train degrees 'tp=x'")
 row("parse_degrees name", lambda: parse_degrees("zz=2", "infer"), ValueError, "infer degrees 'zz=2'")
 row("parse_degrees None", lambda: parse_degrees(None, "train"), TypeError, "train degrees")

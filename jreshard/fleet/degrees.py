@@ -23,8 +23,8 @@ __all__ = ["TrainParallel", "InferParallel", "parse_degrees", "parse_parallel"]
 def _check_positive(obj: Any) -> None:
     for f in dataclasses.fields(obj):
         v = getattr(obj, f.name)
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
-            raise ValueError(f"{type(obj).__name__}.{f.name} must be a positive int, got {v!r}.")
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 1 <= v < 2**63:
+            raise ValueError(f"{type(obj).__name__}.{f.name} must be a positive int below 2**63, got {v!r}.")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -50,6 +50,7 @@ Example:
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
@@ -75,6 +76,9 @@ def _device_array(devices: Iterable[int], n: int, arg: str) -> np.ndarray:
 
 def stage_of_layers(num_layers: int, pp: int) -> list[int]:
     """The pipeline stage of each decoder layer: consecutive, as even as possible."""
+    for name, value, least in (("num_layers", num_layers, 0), ("pp", pp, 1)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+            raise ValueError(f"{name} must be an int >= {least}, got {value!r}.")
     if pp > max(num_layers, 1):
         raise ValueError(f"pp={pp} stages exceed the model's {num_layers} layers; use pp <= {num_layers}.")
     return [s for s, block in enumerate(np.array_split(np.arange(num_layers), pp)) for _ in block]
