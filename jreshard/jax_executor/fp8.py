@@ -30,12 +30,12 @@ Example:
   >>> from jreshard.core.fp8 import Fp8Format, quantize as reference
   >>> from jreshard.jax_executor.fp8 import quantize
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("fsdp",))
-  >>> x = np.linspace(-3, 5, 12 * 8, dtype=np.float32).reshape(12, 8)
+  >>> x = np.linspace(-3, 5, 12 * 32, dtype=np.float32).reshape(12, 32)
   >>> xs = jax.device_put(x, NamedSharding(mesh, P("fsdp")))  # 3 rows a shard: blocks of 4 are cut
-  >>> w, s = quantize(xs, Fp8Format(block=(4, 4)))
+  >>> w, s = quantize(xs, Fp8Format(block=(4, 8)))
   >>> w.dtype, w.sharding.spec, s.shape, s.sharding.spec
-  (dtype(float8_e4m3fn), P('fsdp',), (3, 2), P())
-  >>> ref = reference(x, Fp8Format(block=(4, 4)))
+  (dtype(float8_e4m3fn), P('fsdp',), (3, 4), P())
+  >>> ref = reference(x, Fp8Format(block=(4, 8)))
   >>> bool(np.array_equal(np.asarray(w).view(np.uint8), ref.weight.view(np.uint8)))
   True
   >>> bool(np.array_equal(np.asarray(s), ref.scale_inv))
@@ -70,6 +70,10 @@ def fp8_format(block: Any, dtype: Any = "float8_e4m3fn") -> Fp8Format:
     if isinstance(block, list):
         block = tuple(block)
     return Fp8Format(block=block, dtype=dtype)
+
+
+def _is_fp8(dtype: Any) -> bool:
+    return str(canonical_dtype(dtype)).startswith("float8")
 
 
 def _dim_axes(spec: PartitionSpec, ndim: int) -> tuple[tuple[str, ...], ...]:
@@ -108,7 +112,8 @@ def scale_sharding(sharding: Sharding, shape: tuple[int, ...], fmt: Fp8Format) -
     if not isinstance(sharding, NamedSharding):
         if sharding.is_fully_replicated:
             return sharding
-        return NamedSharding(jax.sharding.Mesh(np.array(sorted(sharding.device_set, key=lambda d: d.id)), ("d",)),
+        devices: list[Any] = sorted(sharding.device_set, key=lambda d: d.id)
+        return NamedSharding(jax.sharding.Mesh(np.array(devices), ("d",)),
                              PartitionSpec())
     mesh = sharding.mesh
     axes = _dim_axes(sharding.spec, len(shape))
@@ -201,7 +206,8 @@ def amax_reduce(sharding: Sharding, shape: tuple[int, ...], fmt: Fp8Format) -> A
     if not isinstance(sharding, NamedSharding):
         return None
     axes = _dim_axes(sharding.spec, len(shape))
-    _, _, cut, window, reduce_axes = _geometry(sharding.mesh, axes, shape, fmt)
+    mesh: Any = sharding.mesh
+    _, _, cut, window, reduce_axes = _geometry(mesh, axes, shape, fmt)
     if not reduce_axes:
         return AmaxReduce(0, 1, ())
     grid = fmt.scale_shape(shape)
@@ -211,7 +217,7 @@ def amax_reduce(sharding: Sharding, shape: tuple[int, ...], fmt: Fp8Format) -> A
 
 @functools.lru_cache(maxsize=512)
 def _sharded_program(mesh: jax.sharding.Mesh, axes: tuple[tuple[str, ...], ...], shape: tuple[int, ...],
-                     fmt: Fp8Format) -> Callable[[jax.Array], tuple[jax.Array, jax.Array]]:
+                     fmt: Fp8Format) -> Callable[[jax.Array, Any], tuple[jax.Array, jax.Array]]:
     # A cut dim's partial amax spans its whole scale grid (plus room for the window of one shard),
     # so that the devices sharing a block put it at the same index; the others stay local.
     chunk, bs, cut, window, reduce_axes = _geometry(mesh, axes, shape, fmt)
@@ -258,7 +264,7 @@ def _sharded_program(mesh: jax.sharding.Mesh, axes: tuple[tuple[str, ...], ...],
 
 @functools.lru_cache(maxsize=512)
 def _whole_program(shape: tuple[int, ...], fmt: Fp8Format, w_sharding: Sharding, s_sharding: Sharding
-                   ) -> Callable[[jax.Array], tuple[jax.Array, jax.Array]]:
+                   ) -> Callable[[jax.Array, Any], tuple[jax.Array, jax.Array]]:
     bs = fmt.block_shape(shape)
     grid = fmt.scale_shape(shape)
 
@@ -299,7 +305,7 @@ def quantize(x: jax.Array, fmt: Fp8Format | None = None) -> tuple[jax.Array, jax
         raise TypeError(f"fmt must be an Fp8Format, got {type(fmt).__name__}.")
     if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
         raise TypeError(f"x must be a concrete jax.Array (call quantize outside jit), got {type(x).__name__}.")
-    if not jnp.issubdtype(x.dtype, jnp.floating) or canonical_dtype(x.dtype).startswith("float8"):
+    if not jnp.issubdtype(x.dtype, jnp.floating) or _is_fp8(x.dtype):
         raise TypeError(f"x must hold float32, bfloat16 or float16 numbers, got dtype {x.dtype}.")
     shape = tuple(int(n) for n in x.shape)
     fmt.block_shape(shape)
@@ -308,7 +314,8 @@ def quantize(x: jax.Array, fmt: Fp8Format | None = None) -> tuple[jax.Array, jax
         axes = _dim_axes(sharding.spec, len(shape))
         parts = tuple(math.prod(sharding.mesh.shape[a] for a in ax) for ax in axes)
         if all(n % k == 0 for n, k in zip(shape, parts, strict=True)):
-            return _sharded_program(sharding.mesh, axes, shape, fmt)(x, np.uint32(0))
+            mesh: Any = sharding.mesh
+            return _sharded_program(mesh, axes, shape, fmt)(x, np.uint32(0))
     return _whole_program(shape, fmt, sharding, scale_sharding(sharding, shape, fmt))(x, np.uint32(0))
 
 
@@ -328,7 +335,8 @@ def quantize_tree(params: Any, fmts: Callable[[tuple, Any], Fp8Format | None]) -
       (dtype(float8_e4m3fn), dtype('float32'), (2, 2), None)
     """
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-    weights, scales = [], []
+    weights: list[Any] = []
+    scales: list[Any] = []
     for path, leaf in flat:
         fmt = fmts(path, leaf)
         if fmt is None:
@@ -380,11 +388,11 @@ def transfer(params: Any, target: Any, *, block: Any = (128, 128), dtype: Any = 
       >>> devs = np.array(jax.devices()[:8])
       >>> train = jax.sharding.Mesh(devs[:4], ("fsdp",))
       >>> serve = jax.sharding.Mesh(devs[4:6], ("tp",))
-      >>> params = {"w": jax.device_put(np.ones((6, 16), np.float32), NamedSharding(train, P(None, "fsdp"))),
-      ...           "norm": jax.device_put(np.ones(6, np.float32), NamedSharding(train, P()))}
-      >>> w, s = jreshard.transfer(params, NamedSharding(serve, P("tp")), dtype="float8_e4m3fn", block=(3, 8))
+      >>> params = {"w": jax.device_put(np.ones((12, 32), np.float32), NamedSharding(train, P(None, "fsdp"))),
+      ...           "norm": jax.device_put(np.ones(12, np.float32), NamedSharding(train, P()))}
+      >>> w, s = jreshard.transfer(params, NamedSharding(serve, P("tp")), dtype="float8_e4m3fn", block=(1, None))
       >>> w["w"].dtype, w["w"].sharding.spec, w["norm"].dtype, s["w"].shape, s["w"].sharding.spec, s["norm"]
-      (dtype(float8_e4m3fn), P('tp',), dtype('float32'), (2, 2), P('tp',), None)
+      (dtype(float8_e4m3fn), P('tp',), dtype('float32'), (12, 1), P('tp',), None)
     """
     if plan is not None:
         raise ValueError("plan must be None with block=: the plan of the FP8 weights and their scales is made "
@@ -393,7 +401,7 @@ def transfer(params: Any, target: Any, *, block: Any = (128, 128), dtype: Any = 
         raise ValueError("block must be a block shape such as (128, 128), (None, None) or (1, None), or an Fp8Format.")
     base = fp8_format(block)
     leaves = parse(params, target, mesh=mesh, dtype=dtype, need_data=True)
-    if not any(canonical_dtype(dt).startswith("float8") for dt in leaves.dtypes):
+    if not any(_is_fp8(dt) for dt in leaves.dtypes):
         raise ValueError(f"block={block!r} quantizes the leaves whose dtype is an FP8 type, but dtype={dtype!r} "
                          "gives none; pass dtype='float8_e4m3fn' (or a pytree prefix naming FP8 leaves).")
     values: list[Any] = []
@@ -404,9 +412,9 @@ def transfer(params: Any, target: Any, *, block: Any = (128, 128), dtype: Any = 
     scale_targets: list[Sharding] = []
     for name, v, t, dt, dst in zip(leaves.names, leaves.values, leaves.shardings, leaves.dtypes, leaves.dst,
                                    strict=True):
-        kind = canonical_dtype(dt)
-        if not kind.startswith("float8") or v.ndim < len(base.block):
-            keep = kind.startswith("float8")
+        kind = str(canonical_dtype(dt))
+        if not _is_fp8(dt) or v.ndim < len(base.block):
+            keep = _is_fp8(dt)
             values.append(v)
             targets.append(t)
             out_dtypes.append(None if keep else dt)
