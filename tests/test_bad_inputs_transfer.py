@@ -81,6 +81,8 @@ for name, kw, exc, pat in [
     ("max_bytes_in_flight float", {"max_bytes_in_flight": 1e6}, TypeError, "max_bytes_in_flight"),
     ("max_bytes_in_flight str", {"max_bytes_in_flight": "1M"}, TypeError, "max_bytes_in_flight"),
     ("max_bytes_in_flight bool", {"max_bytes_in_flight": True}, TypeError, "max_bytes_in_flight"),
+    ("max_bytes_in_flight 2**63", {"max_bytes_in_flight": 2**63}, ValueError, "max_bytes_in_flight"),
+    ("max_bytes_in_flight uint64", {"max_bytes_in_flight": np.uint64(2**64 - 1)}, ValueError, "max_bytes_in_flight"),
     ("transport name", {"transport": "nccl"}, ValueError, "transport must be one of"),
     ("transport None", {"transport": None}, ValueError, "transport must be one of"),
     ("transport list", {"transport": ["memcpy"]}, ValueError, "transport must be one of"),
@@ -104,7 +106,7 @@ row("plan ShapeDtypeStruct without sharding", lambda: jreshard.plan({"w": jax.Sh
 
 
 def test_numpy_ints_pass_where_ints_do():
-    out = tx(max_bytes_in_flight=np.int64(1 << 20))
+    out = tx(max_bytes_in_flight=np.int64(1 << 20), donate=np.bool_(False))
     assert out["w"].sharding == S and np.array_equal(out["w"], w())
 
 

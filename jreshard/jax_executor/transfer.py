@@ -193,8 +193,10 @@ def transfer(params: Any, target: Any, *, plan: Plan | TensorPlan | None = None,
         from jreshard.jax_executor import fp8  # imports this module
 
         return fp8.transfer(params, target, block=block, plan=plan, dtype=dtype, donate=donate,
-                            max_bytes_in_flight=max_bytes_in_flight, mesh=mesh, transport=transport)
+                            max_bytes_in_flight=max_bytes_in_flight, mesh=mesh, transport=transport,
+                            hierarchical=hierarchical, domains=domains, topology=topology, progress=progress)
     cap = _check_options(donate, transport, max_bytes_in_flight)
+    donate = bool(donate)
     check_hierarchical(hierarchical)
     if progress is not None and not isinstance(progress, bool):
         raise TypeError(f"progress must be True, False or None, got {progress!r}.")
@@ -299,14 +301,14 @@ def _progress_bar(enabled: bool | None, total: int) -> Any:
 
 def _check_options(donate: Any, transport: Any, max_bytes_in_flight: Any) -> int:
     """The cap as an int, once the options that do not depend on params are valid."""
-    if not isinstance(donate, bool):
+    if not isinstance(donate, (bool, np.bool_)):
         raise TypeError(f"donate must be True or False, got {donate!r}.")
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}.")
     if isinstance(max_bytes_in_flight, bool) or not isinstance(max_bytes_in_flight, numbers.Integral):
         raise TypeError(f"max_bytes_in_flight must be an int number of bytes, got {max_bytes_in_flight!r}.")
-    if max_bytes_in_flight < 16:
-        raise ValueError(f"max_bytes_in_flight must be at least 16 bytes, got {max_bytes_in_flight}; "
+    if not 16 <= max_bytes_in_flight < 2**63:
+        raise ValueError(f"max_bytes_in_flight must be at least 16 bytes and below 2**63, got {max_bytes_in_flight}; "
                          f"the default is {DEFAULT_MAX_BYTES_IN_FLIGHT} (256 MiB).")
     return int(max_bytes_in_flight)
 
