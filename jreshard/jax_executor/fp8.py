@@ -351,7 +351,7 @@ def quantize_tree(params: Any, fmts: Callable[[tuple, Any], Fp8Format | None]) -
 
 def transfer(params: Any, target: Any, *, block: Any = (128, 128), dtype: Any = "float8_e4m3fn",
              plan: Any = None, donate: bool = False, max_bytes_in_flight: int = _transfer.DEFAULT_MAX_BYTES_IN_FLIGHT,
-             mesh: Any = None, transport: str = "auto") -> tuple[Any, Any]:
+             mesh: Any = None, transport: str = "auto", **options: Any) -> tuple[Any, Any]:
     """Delivers a pytree as block-scaled FP8, quantized at the source: only FP8 bytes and scales move.
 
     Which leaves are quantized: those whose output ``dtype`` (one dtype, or a pytree
@@ -371,6 +371,7 @@ def transfer(params: Any, target: Any, *, block: Any = (128, 128), dtype: Any = 
       plan: must be ``None`` (the plan covers the FP8 weights and scales and is built here).
       donate, max_bytes_in_flight, mesh, transport: as for ``jreshard.transfer``; with
         ``donate`` the quantized leaves are deleted once quantized.
+      options: the other keywords of ``jreshard.transfer`` (``hierarchical``, ...), passed on.
 
     Returns:
       ``(weights, scales)``, two pytrees of ``params``' structure: ``weights`` holds each
@@ -437,7 +438,7 @@ def transfer(params: Any, target: Any, *, block: Any = (128, 128), dtype: Any = 
         scale_targets.append(scale_sharding(t, tuple(v.shape), fmt))
     moved = _transfer.transfer(values + scale_values, targets + scale_targets,
                                dtype=out_dtypes + [None] * len(scale_values), donate=donate,
-                               max_bytes_in_flight=max_bytes_in_flight, transport=transport)
+                               max_bytes_in_flight=max_bytes_in_flight, transport=transport, **options)
     n = len(values)
     scales = [None if i is None else moved[n + i] for i in scale_at]
     return (jax.tree_util.tree_unflatten(leaves.treedef, moved[:n]),
