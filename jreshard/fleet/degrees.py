@@ -23,7 +23,7 @@ __all__ = ["TrainParallel", "InferParallel", "parse_degrees", "parse_parallel"]
 def _check_positive(obj: Any) -> None:
     for f in dataclasses.fields(obj):
         v = getattr(obj, f.name)
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 1 <= v < 2**63:
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 1 <= int(v) < 2**63:
             raise ValueError(f"{type(obj).__name__}.{f.name} must be a positive int below 2**63, got {v!r}.")
 
 

@@ -307,7 +307,7 @@ def _check_options(donate: Any, transport: Any, max_bytes_in_flight: Any) -> int
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}.")
     if isinstance(max_bytes_in_flight, bool) or not isinstance(max_bytes_in_flight, numbers.Integral):
         raise TypeError(f"max_bytes_in_flight must be an int number of bytes, got {max_bytes_in_flight!r}.")
-    if not 16 <= max_bytes_in_flight < 2**63:
+    if not 16 <= int(max_bytes_in_flight) < 2**63:
         raise ValueError(f"max_bytes_in_flight must be at least 16 bytes and below 2**63, got {max_bytes_in_flight}; "
                          f"the default is {DEFAULT_MAX_BYTES_IN_FLIGHT} (256 MiB).")
     return int(max_bytes_in_flight)
