@@ -15,17 +15,34 @@ are written in place.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Mapping
+import time
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
 
 from bridge.vllm._handshake import Target
 
-__all__ = ["live_targets", "write_layers", "torch_dtype_name"]
+__all__ = ["Commit", "live_targets", "write_layers", "torch_dtype_name"]
 
 log = logging.getLogger("bridge")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Commit:
+    """What ``write_layers`` did.
+
+    Attributes:
+      layers: the number of layers written.
+      process_seconds: the seconds vLLM's post-load processing took.
+      adopted: the names of the tensors the model now holds (see ``write_layers``'s ``adopt``).
+    """
+
+    layers: int
+    process_seconds: float
+    adopted: frozenset[str] = frozenset()
 
 
 def torch_dtype_name(dtype: Any) -> str:
@@ -74,8 +91,13 @@ def _by_module(values: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.
 
 
 @torch.no_grad()
-def _reprocess(module: torch.nn.Module, values: Mapping[str, torch.Tensor]) -> None:
-    """One layer: logical parameters recreated and filled, post-load processing, kernel storage kept."""
+def _reprocess(module: torch.nn.Module, values: Mapping[str, torch.Tensor], adopt: Collection[str]) -> tuple[
+        float, set[str]]:
+    """One layer: logical parameters recreated and filled, post-load processing, kernel storage kept.
+
+    The recreated parameters named in ``adopt`` take the given tensors' storage instead of a copy.
+    Returns the seconds vLLM's processing took and the names adopted.
+    """
     get_layerwise_info, _, materialize_layer, restore_layer_on_meta, get_layer_params_buffers = _reload_api()
     info = get_layerwise_info(module)
     kernel_params, kernel_buffers = get_layer_params_buffers(module)
@@ -83,8 +105,12 @@ def _reprocess(module: torch.nn.Module, values: Mapping[str, torch.Tensor]) -> N
     restore_layer_on_meta(module, info)
     materialize_layer(module, info)
     params, buffers = get_layer_params_buffers(module)
+    adopted = set()
     for name, t in params.items():
-        if name in values:
+        if name in adopt and values[name].stride() == t.stride() and values[name].dtype == t.dtype:
+            t.data = values[name]  # the staging tensor itself: no copy (materialized storage is never touched)
+            adopted.add(name)
+        elif name in values:
             t.data.copy_(values[name])
         elif name in kernel_params and kernel_params[name].shape == t.shape:
             t.data.copy_(kernel_params[name])  # not part of the sync (a bias the recipe leaves out)
@@ -100,7 +126,9 @@ def _reprocess(module: torch.nn.Module, values: Mapping[str, torch.Tensor]) -> N
         # (it keeps the kernel built at load time), so the kernel would read logical weights as
         # packed ones. Without a kernel the first-load path runs: a new kernel, the weights prepacked.
         method.moe_kernel = None
+    t0 = time.perf_counter()
     method.process_weights_after_loading(module)
+    seconds = time.perf_counter() - t0
     update_tp_status = getattr(module, "update_param_tp_status", None)
     if callable(update_tp_status):  # parameters re-created by processing get their TP state again
         update_tp_status()
@@ -111,7 +139,7 @@ def _reprocess(module: torch.nn.Module, values: Mapping[str, torch.Tensor]) -> N
             and all(kernel_buffers[n].shape == t.shape and kernel_buffers[n].dtype == t.dtype
                     for n, t in new_buffers.items()))
     if not same:
-        return  # processing changed the kernel layout's shapes: the new tensors stay
+        return seconds, adopted  # processing changed the kernel layout's shapes: the new tensors stay
     for name, t in new_params.items():
         kernel_params[name].data.copy_(t)
     for name, t in new_buffers.items():
@@ -122,21 +150,29 @@ def _reprocess(module: torch.nn.Module, values: Mapping[str, torch.Tensor]) -> N
         module.register_parameter(name, p)
     for name, b in kernel_buffers.items():
         module.register_buffer(name, b, persistent=name not in non_persistent)
+    return seconds, adopted
 
 
 @torch.no_grad()
-def write_layers(model: torch.nn.Module, values: Mapping[str, torch.Tensor]) -> int:
-    """Puts new logical-layout weights into the live model; returns the number of layers written.
+def write_layers(model: torch.nn.Module, values: Mapping[str, torch.Tensor], *,
+                 adopt: Collection[str] = ()) -> Commit:
+    """Puts new logical-layout weights into the live model; returns what it did (``Commit``).
 
     ``values`` maps full parameter names to this rank's logical tensors. Layers with a
     quant method are reprocessed (see the module docstring); others are written in place.
+    A reprocessed layer takes the tensors named in ``adopt`` as they are (their storage
+    becomes the layer's logical parameter, as a copy would); the caller must not write
+    into the tensors named in ``Commit.adopted`` again.
     """
     modules = dict(model.named_modules())
-    count = 0
+    count, process, adopted = 0, 0.0, set()
     for prefix, vals in _by_module(values).items():
         module = modules[prefix]
         if getattr(module, "quant_method", None) is not None:
-            _reprocess(module, vals)
+            leaves = {n for n in vals if (f"{prefix}.{n}" if prefix else n) in adopt}
+            seconds, took = _reprocess(module, vals, leaves)
+            process += seconds
+            adopted |= {f"{prefix}.{n}" if prefix else n for n in took}
         else:
             for name, t in vals.items():
                 live = getattr(module, name)
@@ -145,4 +181,4 @@ def write_layers(model: torch.nn.Module, values: Mapping[str, torch.Tensor]) -> 
                                      f"{tuple(t.shape)}; this layer has no quant method to reprocess it.")
                 live.data.copy_(t)
         count += 1
-    return count
+    return Commit(count, process, frozenset(adopted))

@@ -24,6 +24,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import time
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -67,20 +70,31 @@ class JReshardUpdateInfo(WeightTransferUpdateInfo):
 
 
 class CountingReceiver(Receiver):
-    """A ``Receiver`` that counts the bytes it posts receives for in each sync."""
+    """A ``Receiver`` that counts, per sync, the bytes it posts receives for and the seconds it unpacks."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.bytes_received = 0
+        self.unpack_seconds = 0.0
 
     def _recv(self, into: dict[str, torch.Tensor], m: Any, buf: torch.Tensor) -> list[torch.Tensor]:
         out = super()._recv(into, m, buf)
         self.bytes_received += sum(t.numel() * t.element_size() for t in out)
         return out
 
+    def _unpack(self, into: dict[str, torch.Tensor], m: Any, buf: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        super()._unpack(into, m, buf)
+        self.unpack_seconds += time.perf_counter() - t0
+
     def sync(self, group: Any = None) -> int:
-        self.bytes_received = 0
+        self.bytes_received, self.unpack_seconds = 0, 0.0
         return super().sync(group)
+
+    def renew(self, names: Iterable[str]) -> None:
+        """New tensors for ``names``, whose old ones the model adopted (every element is written by each sync)."""
+        for name in names:
+            self.params[name] = torch.empty_like(self.params[name])
 
 
 class JReshardEngine(WeightTransferEngine[JReshardInitInfo, JReshardUpdateInfo]):
@@ -99,6 +113,7 @@ class JReshardEngine(WeightTransferEngine[JReshardInitInfo, JReshardUpdateInfo])
         self.version: int | None = None  # the version now in the model
         self._received: int | None = None  # the version the current update committed
         self._info: JReshardInitInfo | None = None
+        self._adoptable: frozenset[str] = frozenset()
 
     # ------------------------------------------------------------ phase 1
     def init_transfer_engine(self, init_info: JReshardInitInfo) -> None:
@@ -120,6 +135,10 @@ class JReshardEngine(WeightTransferEngine[JReshardInitInfo, JReshardUpdateInfo])
                        for p in self.plan.param_map.for_rank(self.rank)}
             self.receiver = CountingReceiver(self.plan, staging, rank=self.rank, atomic=False,
                                              timeout=init_info.timeout, ready_timeout=init_info.ready_timeout)
+            # Params that every sync writes whole may be adopted by the model instead of copied; the
+            # others (padding rows of the vocabulary are never sent) keep their staging tensors.
+            self._adoptable = frozenset(p.name for p in self.plan.param_map.for_rank(self.rank)
+                                        if sum(math.prod(r.shape) for r in p.regions) == math.prod(p.shape))
         except Exception as e:  # a plan mismatch: every rank found the same one
             error = f"{type(e).__name__}: {e}"
         if not self._agree(error, "the handshake"):
@@ -141,20 +160,26 @@ class JReshardEngine(WeightTransferEngine[JReshardInitInfo, JReshardUpdateInfo])
             log.error("jreshard: rank %s: update_weights without a sync group; the trainer initialises again "
                       "after a failure.", self.rank)
             return
+        t0 = time.perf_counter()
         try:
             version = self.receiver.sync(self.group)
         except SyncError as e:  # every rank of the group fails this sync; the model is untouched
             self._fail(f"receiving version {update_info.version}", e)
             return
+        seconds = {"receive": time.perf_counter() - t0, "unpack": self.receiver.unpack_seconds}
         error = None
         if version != update_info.version:
             error = f"the trainers sent version {version}, but update_weights announced {update_info.version}"
         else:
             try:
-                write_layers(self.model, self.receiver.params)
+                t0 = time.perf_counter()
+                commit = write_layers(self.model, self.receiver.params, adopt=self._adoptable)
+                self.receiver.renew(commit.adopted)
+                seconds.update(commit=time.perf_counter() - t0, process=commit.process_seconds)
             except Exception as e:
                 error = f"committing version {version} failed: {type(e).__name__}: {e}"
-        if self._agree(error, "the commit report", version=version, bytes_received=self.receiver.bytes_received):
+        if self._agree(error, "the commit report", version=version, bytes_received=self.receiver.bytes_received,
+                       seconds=seconds):
             self.version = self._received = version
 
     def finish_weight_update(self) -> None:

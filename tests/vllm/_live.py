@@ -1,4 +1,4 @@
-"""Helpers of the live vLLM tests: an engine server per test module, trainer processes, the oracle."""
+"""Helpers of the live vLLM tests: an engine server per test class, trainer processes, the oracle, shared checks."""
 
 from __future__ import annotations
 
@@ -140,3 +140,22 @@ def check_two_syncs(engine: dict, tmp_path: Path, *, padded_vocab: bool) -> None
         assert finish(procs, tmp_path) == [0, 0], logs(tmp_path)
     finally:
         C.kill_all(procs)
+
+
+class EngineChecks:
+    """The checks every live engine passes; a test class sets ``kind`` and gets one engine for all its tests."""
+
+    kind: str
+    padded_vocab: bool  # whether the last TP rank holds padding rows of the vocabulary (not sent)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def engine(cls, tmp_path_factory):
+        with engine_server(tmp_path_factory.mktemp(f"vllm_{cls.kind}"), cls.kind) as e:
+            yield e
+
+    def test_engine_serves_the_saved_model(self, engine):
+        assert_matches(generate(engine), engine["initial"])
+
+    def test_two_syncs_match_transformers_with_the_trainers_weights(self, engine, tmp_path):
+        check_two_syncs(engine, tmp_path, padded_vocab=self.padded_vocab)
