@@ -345,7 +345,16 @@ def _free_port() -> int:
 
 
 def main() -> None:
+    if "--fp8" in sys.argv[1:]:
+        # FP8 has a benchmark of its own (FP8, bfloat16 and "bfloat16, then quantize" side by side);
+        # --fp8 runs it with the other arguments (--layers, --hidden, --vocab, --reps, --bucket-mb, --block).
+        fp8_bench = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bridge_bench_fp8.py")
+        argv = [a for a in sys.argv[1:] if a != "--fp8"]
+        sys.exit(subprocess.run([sys.executable, fp8_bench, *argv], check=False).returncode)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fp8", action="store_true",
+                    help="run benchmarks/bridge_bench_fp8.py instead: FP8 vs bfloat16 delivery vs quantizing on the "
+                         "inference side")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=32000)
