@@ -15,7 +15,9 @@ Protocol of one sync, every rank of the group taking part:
    Every rank reaches the same verdict from the same table; on a failure or a byte
    count that differs from the plan every rank raises ``SyncError`` naming the rank,
    the bucket and the tensor, before any payload of the bucket is posted, so a
-   wrong-size message never reaches gloo and the group stays usable.
+   wrong-size message never reaches gloo and the group stays usable. A sender whose
+   ``pack`` gives more or fewer tensors than the message's planned segments votes the
+   same wrong-size failure instead of posting them.
 3. Buckets: per bucket every rank posts one ``batch_isend_irecv``: per peer, one
    operation per segment of the message (``BridgePlan.segments``). Each piece starts
    at a 64-byte-aligned offset of the message and is laid out C-contiguous in the
@@ -330,6 +332,7 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
         packed = []
         for m, buf in zip(sends, buffers(0, b, sends), strict=True):
             xs = pack(m, buf)
+            _check_count(plan, m, xs)
             packed.append((m, xs))
             ops += [_Op(dist.isend, m.dst, x) for x in xs]
         rbufs = buffers(1, b, recvs)
@@ -436,6 +439,8 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
             if b < nb and mine.code == Code.OK:
                 try:
                     nxt = timed("pack", prepare, b)
+                except _WrongCount as e:  # announced in this bucket's vote as a wrong-size message
+                    mine = e.status
                 except Exception as e:  # announced in this bucket's vote
                     mine = failed(b, e)
             if nxt is not None and hasher is not None and nxt.sends:
@@ -458,6 +463,26 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
     log.info("rank %d synced version %d: %s bytes in %d buckets, %.3f s (%.2f GB/s, pid %d)",
              rank, version, f"{nbytes:,}", plan.num_buckets, elapsed, nbytes / max(elapsed, 1e-9) / 1e9, os.getpid())
     return version
+
+
+class _WrongCount(Exception):
+    """``pack`` gave a number of tensors other than the plan's segments of a message; ``status`` says where."""
+
+    def __init__(self, status: Status) -> None:
+        super().__init__(status.text)
+        self.status = status
+
+
+def _check_count(plan: BridgePlan, m: Message, xs: list[torch.Tensor]) -> None:
+    """Refuses a message whose tensors are not one per planned segment: a surplus one would be posted
+    with no receive to match it (every rank would then wait for the deadline), a missing one never sent."""
+    members = plan.segment_pieces(m)
+    if len(xs) == len(members):
+        return
+    # The piece named: that of the first segment left out, or of the last one planned for a surplus.
+    move = members[min(len(xs), len(members) - 1)][0].move if members else -1
+    raise _WrongCount(Status(Code.SIZE, m.bucket, m.dst, move,
+                             f"{len(xs)} tensors given for the {len(members)} segments of the plan"))
 
 
 def _nothing(m: Message, buf: torch.Tensor) -> list[torch.Tensor]:
