@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from bridge._args import check_int, check_ints
 from jreshard.core.layout import Layout
 from jreshard.core.mesh import Mesh
 
@@ -42,7 +43,18 @@ def source_id(rank: int, local: int) -> int:
 
 
 def split_source_id(device: int) -> tuple[int, int]:
-    """(torch rank, local device index) of a source id."""
+    """(torch rank, local device index) of a source id.
+
+    Example:
+      >>> from bridge import split_source_id
+      >>> split_source_id(1000002)
+      (0, 2)
+      >>> split_source_id(3)
+      Traceback (most recent call last):
+      ...
+      ValueError: device 3 is a torch rank, not a source id (>= 1000000).
+    """
+    device = check_int("device", device)
     if device < SOURCE_BASE:
         raise ValueError(f"device {device} is a torch rank, not a source id (>= {SOURCE_BASE}).")
     rank, local = divmod(device - SOURCE_BASE, MAX_LOCAL_DEVICES)
@@ -63,8 +75,10 @@ def trainer_mesh(shape: Sequence[int], axis_names: Any, ranks: Sequence[int], de
       >>> trainer_mesh((4,), "fsdp", ranks=[0, 1], devices_per_rank=2)
       Mesh(fsdp=4; devices [1000000, 1000001, 1001000, 1001001])
     """
+    shape = check_ints("shape", shape, minimum=1)
+    devices_per_rank = check_int("devices_per_rank", devices_per_rank, minimum=1, maximum=MAX_LOCAL_DEVICES)
+    ranks = check_ints("ranks", list(ranks) if isinstance(ranks, range) else ranks)
     ids = [source_id(r, local) for r in ranks for local in range(devices_per_rank)]
-    shape = tuple(shape)
     if math.prod(shape) != len(ids):
         raise ValueError(
             f"shape {shape} holds {math.prod(shape)} devices but ranks {list(ranks)} x "
@@ -93,6 +107,8 @@ class Source:
     def __init__(self, leaves: Mapping[str, Layout]) -> None:
         if not isinstance(leaves, Mapping):
             raise TypeError(f"leaves must be a mapping of path -> Layout, got {type(leaves).__name__}.")
+        if not leaves:
+            raise ValueError("leaves must hold at least one path -> Layout; a Source of no leaves has nothing to send.")
         for path, layout in leaves.items():
             if not isinstance(path, str):
                 raise TypeError(f"leaf paths must be str, got {path!r}.")

@@ -203,6 +203,11 @@ class Sender:
         out = {}
         for path in self.plan.source.paths:
             x, layout = flat[path], self.plan.source.layout(path)
+            if not isinstance(x, jax.Array):
+                raise TypeError(
+                    f"params[{path!r}] must be a jax.Array (sharded as the plan's source says), got "
+                    f"{type(x).__module__}.{type(x).__name__}; place it with jax.device_put(x, sharding)."
+                )
             if tuple(x.shape) != layout.shape or (layout.dtype and x.dtype.name != layout.dtype):
                 raise ValueError(
                     f"params[{path!r}] is {tuple(x.shape)} {x.dtype}, but the plan's source says "

@@ -187,6 +187,28 @@ row("Receiver params not a tensor", lambda: recv(params={"lin.weight": [[0.0] * 
     r"params\['lin.weight'\]")
 
 
+# --- trainer_mesh, split_source_id, Source
+for args, exc, pat in [
+    (((2,), "fsdp", [0], 2.0), TypeError, "devices_per_rank must be an int, got float"),
+    (((2,), "fsdp", [0], "2"), TypeError, "devices_per_rank must be an int"),
+    (((2,), "fsdp", [0], 1001), ValueError, "devices_per_rank must be an int <= 1000"),
+    (("2", "fsdp", [0], 2), TypeError, "shape must be a tuple of ints, got str"),
+    (((2.0,), "fsdp", [0], 2), TypeError, r"shape\[0\] must be an int"),
+    (((0, 2), ("a", "b"), [0], 2), ValueError, r"shape\[0\] must be a positive int"),
+    (((2,), "fsdp", 0, 2), TypeError, "ranks must be a tuple of ints"),
+    (((2,), "fsdp", [0.0], 2), TypeError, r"ranks\[0\] must be an int"),
+]:
+    row(f"trainer_mesh {args}", lambda args=args: bridge.trainer_mesh(*args), exc, pat)
+for device, exc, pat in [
+    ("x", TypeError, "device must be an int, got str"),
+    (1.5e6, TypeError, "device must be an int, got float"),
+    (True, TypeError, "device must be an int, got bool"),
+    (-1, ValueError, "device must be an int >= 0"),
+]:
+    row(f"split_source_id {device!r}", lambda d=device: bridge.split_source_id(d), exc, pat)
+row("Source empty", lambda: bridge.Source({}), ValueError, "leaves must hold at least one")
+
+
 # --- Sender and what Sender.sync is given
 def sender(**kw):
     from bridge.sender import Sender
@@ -226,6 +248,8 @@ row("Sender.sync params missing a leaf", lambda: sender().sync({}, version=1), V
     r"params lacks trainer leaves \['w'\]")
 row("Sender.sync params wrong shape", lambda: sender().sync(jax_params((8, 4)), version=1), ValueError,
     r"params\['w'\] is \(8, 4\)")
+row("Sender.sync params numpy", lambda: sender().sync({"w": np.zeros((8, 6), np.float32)}, version=1), TypeError,
+    r"params\['w'\] must be a jax.Array.*numpy.ndarray")
 row("Sender.sync params wrong dtype", lambda: sender().sync(jax_params(dtype=np.int32), version=1), ValueError,
     r"params\['w'\] is \(8, 6\) int32")
 
@@ -246,6 +270,8 @@ def test_numpy_ints_and_bools_pass_where_ints_and_bools_do():
     assert p.rank == 1 and p.shape == (4, 2) and type(p.rank) is int
     assert bridge.BridgePlan(SRC, PM, bucket_bytes=np.int64(1 << 20), balance=np.False_).balance is False
     assert bridge.trainer_mesh((np.int64(2),), "fsdp", [np.int64(0)], np.int64(2)) == TM
+    assert bridge.trainer_mesh(np.array([2]), "fsdp", range(1), 2) == TM
+    assert bridge.split_source_id(np.int64(1001001)) == (1, 1)
     assert Layout((np.int64(8), np.int32(6)), TM, ("fsdp",)).shape == (8, 6)
     assert region(offset=np.array([0, 0]), view=(np.int64(4), 2)).view == (4, 2)
 
