@@ -105,10 +105,9 @@ def receiver(args, rank: int, fp8, fp8_plan, bf16_plan, counts: dict) -> dict:
 
     import bridge
 
-    held = {p.name: torch.zeros(p.shape, dtype=getattr(torch, fp8.dtypes(rank)[p.name]))
-            for p in fp8.param_map.for_rank(rank)}
+    held = {p.name: torch.zeros(p.shape, dtype=getattr(torch, p.dtype)) for p in fp8.param_map.for_rank(rank)}
     bf16 = {p.name: torch.zeros(p.shape, dtype=torch.bfloat16) for p in bf16_plan.param_map.for_rank(rank)}
-    r_fp8, r_bf16 = bridge.Receiver(fp8_plan, fp8.wire_view(held), rank=rank, timeout=600), \
+    r_fp8, r_bf16 = bridge.Receiver(fp8_plan, held, rank=rank, timeout=600), \
         bridge.Receiver(bf16_plan, bf16, rank=rank, timeout=600)
     online = {n: None for n in fp8.weights}
 

@@ -22,10 +22,9 @@ Words: the *weight leaf* is the trainer's tensor (``layers_0/attn/q_proj/kernel`
 *scale leaf* ``<leaf>_scale_inv`` holds its scales in the leaf's dims, where the trainer's
 quantization leaves them (``scale_source_layout``).
 
-The wire carries FP8 as raw bytes: the quantized weight leaves and the weight params
-have dtype ``WIRE_DTYPE[fmt.dtype]`` (``'uint8'`` while the wire lacks float8 types);
-the receiver passes its float8 tensors viewed as ``torch.uint8`` (``wire_view``), so
-every bit arrives as quantized.
+The wire carries FP8 as itself: the quantized weight leaves and the weight params have
+dtype ``fmt.dtype`` (``'float8_e4m3fn'``, one of ``bridge._plan.WIRE_DTYPES``), the
+receiver holds ``torch.float8_e4m3fn`` tensors, and every bit arrives as quantized.
 
 Example (a column-parallel q projection and a row-parallel o projection on TP2):
   >>> from bridge import Rule, Source, tp_param_map, trainer_mesh, fp8_param_map
@@ -37,8 +36,8 @@ Example (a column-parallel q projection and a row-parallel o projection on TP2):
   ...          Rule("o/kernel", "o_proj.weight", transpose=True, shard=1), Rule("norm/scale", "norm.weight")]
   >>> fp8 = fp8_param_map(src, tp_param_map(src, rules, tp_ranks=[2, 3]), Fp8Format(block=(128, 128)))
   >>> [(p.name, p.shape, p.dtype) for p in fp8.param_map.for_rank(3)]  # doctest: +NORMALIZE_WHITESPACE
-  [('norm.weight', (256,), 'float32'), ('o_proj.weight', (256, 256), 'uint8'),
-   ('o_proj.weight_scale_inv', (2, 2), 'float32'), ('q_proj.weight', (256, 256), 'uint8'),
+  [('norm.weight', (256,), 'float32'), ('o_proj.weight', (256, 256), 'float8_e4m3fn'),
+   ('o_proj.weight_scale_inv', (2, 2), 'float32'), ('q_proj.weight', (256, 256), 'float8_e4m3fn'),
    ('q_proj.weight_scale_inv', (2, 2), 'float32')]
   >>> fp8.formats["q/kernel"].block, fp8.source.layout("q/kernel_scale_inv").shape
   ((128, 128), (2, 4))
@@ -48,8 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 from bridge._param_map import Param, ParamMap, Region
 from bridge._plan import WIRE_DTYPES
@@ -59,17 +57,11 @@ from jreshard.core.fp8 import SCALE_DTYPE, Fp8Format
 from jreshard.core.fp8_target import _vllm_words  # vLLM's names for the dims of [out, in]
 from jreshard.core.layout import Layout
 
-__all__ = ["Fp8ParamMap", "fp8_param_map", "scale_name", "scale_leaf", "wire_dtype", "scale_source_layout",
-           "QUANTIZE_LINEAR"]
+__all__ = ["Fp8ParamMap", "fp8_param_map", "scale_name", "scale_leaf", "scale_source_layout", "QUANTIZE_LINEAR"]
 
 # vLLM's quantized linear layers: attention and MLP projections (fused or not), MoE experts.
 # Embeddings, lm_head, norms and the router stay in the model's dtype, as in FP8 checkpoints.
 QUANTIZE_LINEAR = r".*_proj\.weight|.*\.w(13|2)_weight"
-
-
-def wire_dtype(fp8_dtype: str) -> str:
-    """The dtype an FP8 tensor travels as: itself where the wire carries it, else its raw bytes (``uint8``)."""
-    return fp8_dtype if fp8_dtype in WIRE_DTYPES else "uint8"
 
 
 def scale_name(param: str) -> str:
@@ -88,8 +80,8 @@ class Fp8ParamMap:
 
     Attributes:
       source: the trainer leaves as they are sent: quantized weight leaves retyped to
-        ``wire_dtype``, one scale leaf (float32, replicated) per quantized leaf.
-      param_map: weight params retyped to ``wire_dtype`` plus their ``weight_scale_inv`` params.
+        ``fmt.dtype``, one scale leaf (float32) per quantized leaf.
+      param_map: weight params retyped to ``fmt.dtype`` plus their ``weight_scale_inv`` params.
       quantized: ``(leaf, Fp8Format)`` per quantized weight leaf, the block in the leaf's dims.
       weights: the names of the quantized weight params (each has a ``scale_name`` param).
       fmt: the format in the params' dims.
@@ -105,24 +97,6 @@ class Fp8ParamMap:
     def formats(self) -> dict[str, Fp8Format]:
         """``{weight leaf: its Fp8Format in the leaf's dims}``: what the trainer quantizes."""
         return dict(self.quantized)
-
-    @property
-    def wire_dtype(self) -> str:
-        return wire_dtype(self.fmt.dtype)
-
-    def dtypes(self, rank: int) -> dict[str, str]:
-        """``{param: dtype}`` of one inference rank as the engine holds them (FP8 weights as FP8)."""
-        return {p.name: self.fmt.dtype if p.name in self.weights else p.dtype for p in self.param_map.for_rank(rank)}
-
-    def wire_view(self, tensors: Mapping[str, Any]) -> dict[str, Any]:
-        """``tensors`` (torch, by param name) with the FP8 weights viewed as ``wire_dtype``, for a ``Receiver``.
-
-        Views share storage: what the sync writes into them is in the FP8 tensors.
-        """
-        import torch
-
-        wire = getattr(torch, self.wire_dtype)
-        return {n: t.view(wire) if n in self.weights and t.dtype != wire else t for n, t in tensors.items()}
 
     def __repr__(self) -> str:
         return (f"Fp8ParamMap({len(self.quantized)} leaves quantized to {self.fmt}, "
@@ -236,7 +210,8 @@ def fp8_param_map(source: Source, param_map: ParamMap, fmt: Fp8Format | None = N
 
     Raises:
       TypeError: ``fmt`` is not an Fp8Format, ``quantize`` neither a pattern nor a callable.
-      ValueError: a split or a fused part cuts a block (vLLM's words), a weight leaf
+      ValueError: ``fmt.dtype`` is not a wire dtype (float8_e5m2), a split or a fused part
+        cuts a block (vLLM's words), a weight leaf
         would be quantized for one param but sent unquantized (or with another block)
         to another, or no param matches ``quantize``.
     """
@@ -246,8 +221,10 @@ def fp8_param_map(source: Source, param_map: ParamMap, fmt: Fp8Format | None = N
     if not isinstance(source, Source) or not isinstance(param_map, ParamMap):
         raise TypeError(f"source and param_map must be a bridge.Source and a bridge.ParamMap, got "
                         f"{type(source).__name__} and {type(param_map).__name__}.")
+    if fmt.dtype not in WIRE_DTYPES:
+        raise ValueError(f"fmt.dtype {fmt.dtype!r} is not a dtype the wire carries ({list(WIRE_DTYPES)}); "
+                         "use Fp8Format(dtype='float8_e4m3fn'), vLLM's FP8 type.")
     match = _matcher(quantize)
-    wire = wire_dtype(fmt.dtype)
     leaf_fmt: dict[str, Fp8Format] = {}
     plain: dict[str, str] = {}  # leaf -> a param that reads it unquantized
     params: list[Param] = []
@@ -268,7 +245,7 @@ def fp8_param_map(source: Source, param_map: ParamMap, fmt: Fp8Format | None = N
                 raise ValueError(f"leaf {r.leaf!r} is quantized with blocks {leaf_fmt[r.leaf].block} for one param "
                                  f"and {lf.block} for {p.name!r} (in the leaf's dims); its params must agree.")
         sshape = tuple(-(-n // b) if b is not None else 1 for n, b in zip(p.shape, blocks, strict=True))
-        params.append(dataclasses.replace(p, dtype=wire))
+        params.append(dataclasses.replace(p, dtype=fmt.dtype))
         weights.add(p.name)
         params.append(Param(scale_name(p.name), p.rank, sshape, SCALE_DTYPE, tuple(scale_regions)))
     if not leaf_fmt:
@@ -284,7 +261,7 @@ def fp8_param_map(source: Source, param_map: ParamMap, fmt: Fp8Format | None = N
     leaves: dict[str, Layout] = {}
     for path, layout in source.items():
         if path in leaf_fmt:
-            leaves[path] = layout.with_dtype(wire)
+            leaves[path] = layout.with_dtype(fmt.dtype)
             leaves[scale_leaf(path)] = scale_source_layout(layout, leaf_fmt[path])
         else:
             leaves[path] = layout

@@ -38,7 +38,8 @@ __all__ = ["ParamMove", "Piece", "Message", "Segment", "BridgePlan", "FORMAT_VER
 FORMAT_VERSION = 3
 ALIGN = 64  # bytes; every piece in a message starts aligned, so any dtype view is valid
 # The param dtypes the wire carries: each has a torch dtype of the same name and itemsize.
-WIRE_DTYPES = ("float32", "bfloat16", "float16", "float64", "int32", "int64", "int8", "uint8", "bool")
+WIRE_DTYPES = ("float32", "bfloat16", "float16", "float64", "int32", "int64", "int8", "uint8", "bool",
+               "float8_e4m3fn")
 HIERARCHICAL = ("auto", "always", "never")
 
 
@@ -115,13 +116,21 @@ class Segment(NamedTuple):
     dst_direct: bool
 
 
-def _check_wire_dtypes(param_map: ParamMap) -> None:
+def _check_wire_dtypes(param_map: ParamMap, source: Source) -> None:
     for p in param_map.params:
         if p.dtype not in WIRE_DTYPES:
             raise ValueError(
                 f"param {p.name!r} on rank {p.rank} has dtype {p.dtype}, which the wire cannot carry; "
                 f"give the param map one of {list(WIRE_DTYPES)} (the trainer casts at the sender)."
             )
+        # A cast to FP8 without a scale loses the weights: FP8 params take FP8 leaves only.
+        if p.dtype.startswith("float8"):
+            for r in p.regions:
+                if str(source.layout(r.leaf).dtype) != p.dtype:
+                    raise ValueError(
+                        f"param {p.name!r} on rank {p.rank} is {p.dtype} but its leaf {r.leaf!r} is "
+                        f"{source.layout(r.leaf).dtype}; the sender does not quantize: build the map with "
+                        "bridge.fp8_param_map and send bridge.fp8_sender.quantize_params(params, fp8).")
 
 
 class BridgePlan:
@@ -189,7 +198,7 @@ class BridgePlan:
         bucket_bytes = check_int("bucket_bytes", bucket_bytes, minimum=ALIGN)
         balance = check_flag("balance", balance)
         param_map.check(source)
-        _check_wire_dtypes(param_map)
+        _check_wire_dtypes(param_map, source)
         clash = set(param_map.ranks) & set(source.ranks)
         if clash:
             raise ValueError(

@@ -2,7 +2,7 @@
 
 Import this module in trainer processes only (it imports jax). ``quantize_params``
 turns the trainer's tree into the tree that ``bridge.sender.Sender.sync`` sends for
-an ``Fp8ParamMap``: each quantized leaf becomes its FP8 weight (as the wire's dtype,
+an ``Fp8ParamMap``: each quantized leaf becomes its FP8 weight (its FP8 dtype,
 same sharding) plus its scale leaf ``<leaf>_scale_inv``, computed by
 ``jreshard.jax_executor.fp8.quantize`` (partial amax exchanged between the holders of
 cut blocks, exact bit for bit); the other leaves pass through.
@@ -16,12 +16,9 @@ Example (every trainer process):
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from bridge._fp8 import Fp8ParamMap, scale_leaf
@@ -29,12 +26,6 @@ from bridge.sender import flatten_params
 from jreshard.jax_executor.fp8 import quantize
 
 __all__ = ["quantize_params"]
-
-
-@functools.cache
-def _bitcast(dtype: str) -> Callable[[Any], Any]:
-    """FP8 values as their raw bytes (same sharding; the input buffer is donated)."""
-    return jax.jit(lambda a: jax.lax.bitcast_convert_type(a, jnp.dtype(dtype)), donate_argnums=0)
 
 
 def _placed(x: Any, want: Any) -> Any:
@@ -71,8 +62,6 @@ def quantize_params(params: Any, fp8: Fp8ParamMap) -> dict[str, Any]:
             out[path] = x
             continue
         w, s = quantize(x, fmt)
-        if w.dtype.name != fp8.wire_dtype:
-            w = _bitcast(fp8.wire_dtype)(w)
         out[path] = w
         want = fp8.source.layout(scale_leaf(path))
         mesh = x.sharding.mesh if isinstance(x.sharding, NamedSharding) else None

@@ -1,4 +1,4 @@
-"""FP8 models in the vLLM backend: the engine's block format, the FP8 sync of a recipe, its targets checked.
+"""FP8 models in the vLLM backend: the engine's block format and the FP8 sync of a recipe.
 
 An engine that serves a block-quantized FP8 checkpoint (``quantization_config``
 ``{"quant_method": "fp8", "weight_block_size": [n, k]}``) holds, per linear layer and
@@ -7,15 +7,11 @@ rank, ``weight`` as ``float8_e4m3fn`` ``[out/tp, in]`` (or ``[out, in/tp]``) and
 ``Fp8LinearMethod`` and ``BlockQuantScaleParameter``); these are its logical targets
 (``bridge.vllm._model.live_targets``), and ``write_layers`` puts new FP8 weights and
 scales into them and reruns the layer's post-load processing (the CPU kernel's weight
-packing) as for any other weights. The sync then differs in three places, each a call
-here:
-
-1. ``fp8_sync_map``: the recipe's param map made FP8 exactly for the params the engine
-   holds in FP8 (``bridge.fp8_param_map``, with the engine's block);
-2. ``check_fp8_targets``: the targets compared with the FP8 params under the engine's
-   dtypes (FP8 weights travel as ``wire_dtype`` bytes);
-3. ``as_engine_dtypes``: the received FP8 bytes viewed as ``float8_e4m3fn`` before
-   ``write_layers`` (a copy from ``uint8`` would convert values, not move bits).
+packing) as for any other weights. The sync differs in one place: its param map is
+``fp8_sync_map``, the recipe's param map made FP8 exactly for the params the engine
+holds in FP8 (``bridge.fp8_param_map``, with the engine's block). FP8 weights travel as
+``float8_e4m3fn``, so ``check_targets`` compares that map with the targets as it is, and
+the received tensors go to ``write_layers`` as they arrive.
 
 The trainer quantizes with ``bridge.fp8_sender.quantize_params(params, fp8)`` on the
 same ``Fp8ParamMap``. Per-tensor FP8 checkpoints (``weight_scale``, one per logical
@@ -31,17 +27,16 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from bridge._fp8 import Fp8ParamMap, fp8_param_map
 from bridge._param_map import ParamMap
 from bridge._source import Source
-from bridge.vllm._handshake import Target, check_targets
+from bridge.vllm._handshake import Target
 from jreshard.core.fp8 import Fp8Format
 
-__all__ = ["engine_fp8_format", "fp8_sync_map", "check_fp8_targets", "as_engine_dtypes"]
+__all__ = ["engine_fp8_format", "fp8_sync_map"]
 
 _FORMATS = {"e4m3": "float8_e4m3fn"}
 
@@ -84,18 +79,3 @@ def fp8_sync_map(source: Source, param_map: ParamMap, targets: Mapping[int, Sequ
     """
     fp8_names = {t.name for live in targets.values() for t in live if t.dtype == fmt.dtype}
     return fp8_param_map(source, param_map, fmt, quantize=lambda name: name in fp8_names)
-
-
-def check_fp8_targets(fp8: Fp8ParamMap, targets: Mapping[int, Sequence[Target]]) -> list[str]:
-    """What differs between the FP8 sync's params, under the engine's dtypes, and the live targets."""
-    engine = ParamMap(dataclasses.replace(p, dtype=fp8.fmt.dtype) if p.name in fp8.weights else p
-                      for p in fp8.param_map.params)
-    return check_targets(engine, targets)
-
-
-def as_engine_dtypes(values: Mapping[str, Any], fp8: Fp8ParamMap) -> dict[str, Any]:
-    """Received tensors by param name, the FP8 weights' bytes viewed as FP8 (same storage) for ``write_layers``."""
-    import torch
-
-    dtype = getattr(torch, fp8.fmt.dtype)
-    return {n: t.view(dtype) if n in fp8.weights and t.dtype != dtype else t for n, t in values.items()}

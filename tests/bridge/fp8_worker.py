@@ -92,9 +92,8 @@ def receiver(rank: int, args) -> None:
 
     bridge.init_group(rank, C.WORLD, port=args.port, timeout=120)
     fp8, fp8_plan, bf16_plan = plans()
-    held = {n: torch.zeros(p.shape, dtype=getattr(torch, fp8.dtypes(rank)[n]))
-            for n, p in ((p.name, p) for p in fp8.param_map.for_rank(rank))}
-    rec = bridge.Receiver(fp8_plan, fp8.wire_view(held), rank=rank, timeout=TIMEOUT)
+    held = {p.name: torch.zeros(p.shape, dtype=getattr(torch, p.dtype)) for p in fp8.param_map.for_rank(rank)}
+    rec = bridge.Receiver(fp8_plan, held, rank=rank, timeout=TIMEOUT)
     t0 = time.perf_counter()
     version = rec.sync()
     events["fp8"] = {"ok": True, "version": version, "seconds": time.perf_counter() - t0,

@@ -57,8 +57,8 @@ def test_region_box_is_a_box_whichever_way_it_is_given():
 def test_plan_refuses_a_dtype_the_wire_cannot_carry():
     src = bridge.Source({"w": Layout((4, 6), bridge.trainer_mesh((2,), "fsdp", [0], 2), ("fsdp",), "float32")})
     rules = [bridge.Rule("w", "linear.weight", transpose=True, shard=0)]
-    with pytest.raises(ValueError, match=r"'linear.weight' on rank 1 has dtype float8_e4m3fn, which the wire cannot"):
-        bridge.BridgePlan(src, bridge.tp_param_map(src, rules, [1, 2], dtype="float8_e4m3fn"))
+    with pytest.raises(ValueError, match=r"'linear.weight' on rank 1 has dtype float8_e5m2, which the wire cannot"):
+        bridge.BridgePlan(src, bridge.tp_param_map(src, rules, [1, 2], dtype="float8_e5m2"))
     with pytest.raises(TypeError, match="param_map must be a bridge.ParamMap"):
         bridge.BridgePlan(src, {"w": rules})
     ok = bridge.tp_param_map(src, rules, [1, 2])

@@ -25,11 +25,16 @@ from tests.bridge import _common as C
 FP8 = ml_dtypes.float8_e4m3fn
 
 
+def bits(a: np.ndarray) -> np.ndarray:
+    """FP8 arrays as their bytes, so that equality is bit for bit (NaN, -0); other arrays as they are."""
+    return a.view(np.uint8) if a.dtype == FP8 else a
+
+
 def ref_quantize(w: np.ndarray, bn: int | None, bk: int | None) -> tuple[np.ndarray, np.ndarray]:
-    """``[out, in]`` -> (FP8 bits as uint8, float32 scale_inv), one block at a time as vLLM's per_block_cast_to_fp8."""
+    """``[out, in]`` -> (FP8 weight, float32 scale_inv), one block at a time as vLLM's per_block_cast_to_fp8."""
     out, inn = w.shape
     bn, bk = bn or out, bk or inn
-    q = np.zeros(w.shape, np.uint8)
+    q = np.zeros(w.shape, FP8)
     s = np.zeros((-(-out // bn), -(-inn // bk)), np.float32)
     for i in range(s.shape[0]):
         for j in range(s.shape[1]):
@@ -38,7 +43,7 @@ def ref_quantize(w: np.ndarray, bn: int | None, bk: int | None) -> tuple[np.ndar
             scale = np.float32(amax / np.float32(448.0))
             s[i, j] = scale
             factor = np.float32(np.float32(1.0) / scale)
-            q[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = (blk * factor).astype(FP8).view(np.uint8)
+            q[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = (blk * factor).astype(FP8)
     return q, s
 
 
@@ -80,7 +85,7 @@ def sent_tree(fp8: bridge.Fp8ParamMap, flat: dict[str, np.ndarray]) -> dict[str,
     out = dict(flat)
     for leaf, fmt in fp8.formats.items():
         q = quantize(flat[leaf], fmt)
-        out[leaf], out[scale_leaf(leaf)] = q.weight.view(np.uint8), q.scale_inv
+        out[leaf], out[scale_leaf(leaf)] = q.weight, q.scale_inv
     return out
 
 
@@ -115,13 +120,12 @@ def test_weights_and_scales_equal_vllm_slices_of_the_reference(tp, block, fused,
         assert sorted(got[r]) == sorted(want[r - 2])
         for name, w in want[r - 2].items():
             g = got[r][name]
-            assert g.dtype == (np.uint8 if name.endswith("_proj.weight") else np.float32), name
-            np.testing.assert_array_equal(g, w.astype(g.dtype), err_msg=f"rank {r} {name}")
-        assert fp8.dtypes(r)["model.layers.0.mlp.down_proj.weight"] == "float8_e4m3fn"
+            assert g.dtype == (FP8 if name.endswith("_proj.weight") else np.float32), name
+            np.testing.assert_array_equal(bits(g), bits(w.astype(g.dtype)), err_msg=f"rank {r} {name}")
     # Leaves are quantized in their own dims: the block of a kernel [in, out] is (block_k, block_n).
     assert fp8.formats["layers_0/attn/q_proj/kernel"].block == (block[1], block[0])
     # Only the linear layers are quantized; embeddings, lm_head and norms keep the model's dtype.
-    assert {p.name for p in fp8.param_map.params if p.dtype == "uint8"} == {
+    assert {p.name for p in fp8.param_map.params if p.dtype == "float8_e4m3fn"} == {
         p.name for p in fp8.param_map.params if p.name.endswith("_proj.weight")}
     assert fp8.param_map.for_rank(2)[0].name == "lm_head.weight" and fp8.param_map.for_rank(2)[0].dtype == "float32"
 
@@ -168,7 +172,7 @@ def test_per_channel_and_per_tensor_scales():
                 k = w.shape[1] if col else w.shape[1] // 2
                 qs = q[r * n:(r + 1) * n] if col else q[:, r * k:(r + 1) * k]
                 ss = s[r * n:(r + 1) * n] if col and block[0] == 1 else s  # a row-parallel split shares its scales
-                np.testing.assert_array_equal(got[rank][f"model.layers.1.{name}.weight"], qs)
+                np.testing.assert_array_equal(bits(got[rank][f"model.layers.1.{name}.weight"]), bits(qs))
                 np.testing.assert_array_equal(got[rank][f"model.layers.1.{name}.weight_scale_inv"], ss)
 
 
@@ -186,10 +190,24 @@ def _fused(block, tp=2, **kw):
      r"o_proj.weight.*input_size_per_partition = 64 is not divisible by block_k = 128"),
     (_fused((None, None)), ValueError, r"_proj.weight.*a whole-dim block \(None\).*a fused param"),
     ((*_fused((64, 64))[:2], (64, 64)), TypeError, r"fmt must be a jreshard.core.fp8.Fp8Format"),
-], ids=["fused-part-cuts-block", "row-parallel-cuts-block", "per-tensor-fused", "fmt-type"])
+    ((*_fused((64, 64))[:2], Fp8Format(block=(64, 64), dtype="float8_e5m2")), ValueError,
+     r"fmt.dtype 'float8_e5m2' is not a dtype the wire carries"),
+], ids=["fused-part-cuts-block", "row-parallel-cuts-block", "per-tensor-fused", "fmt-type", "fmt-dtype"])
 def test_refusals(args, exc, match):
     with pytest.raises(exc, match=match):
         bridge.fp8_param_map(*args)
+
+
+def test_plan_refuses_fp8_params_from_unquantized_leaves():
+    """The sender does not quantize: an FP8 param must read FP8 leaves, as ``fp8.source`` declares them."""
+    source, pm, fmt = _fused((64, 64))
+    fp8 = bridge.fp8_param_map(source, pm, fmt)
+    unquantized = bridge.Source({path: lay.with_dtype("float32") if path in fp8.formats else lay
+                                 for path, lay in fp8.source.items()})
+    with pytest.raises(ValueError, match=r"down_proj.weight' on rank 2 is float8_e4m3fn but its leaf "
+                                         r"'layers_0/mlp/down_proj/kernel' is float32; the sender does not quantize"):
+        bridge.BridgePlan(unquantized, fp8.param_map)
+    assert bridge.BridgePlan(fp8.source, fp8.param_map).network_bytes > 0
 
 
 def test_refusals_of_quantize():
@@ -219,21 +237,22 @@ def test_moe_experts_quantized_per_expert_and_block(tp_ranks, ep):
     assert fp8.formats["layers_1/mlp/experts/gate_proj"].block == (1, b, b)
     got = bridge.BridgePlan(fp8.source, fp8.param_map).reference(sent_tree(fp8, arrays))
     full = M._hf_full(arrays, cfg, "vllm")
-    bits, scales = dict(full), {}
+    quantized, scales = dict(full), {}
     for name, w in full.items():
         if re.fullmatch(QUANTIZE_LINEAR, name):
             pairs = [ref_quantize(m, b, b) for m in w.reshape(-1, *w.shape[-2:])]
-            bits[name] = np.stack([q for q, _ in pairs]).reshape(w.shape)
+            quantized[name] = np.stack([q for q, _ in pairs]).reshape(w.shape)
             scales[name] = np.stack([s for _, s in pairs]).reshape(*w.shape[:-2], *pairs[0][1].shape)
     small = dataclasses.replace(cfg, moe_intermediate_size=cfg.moe_intermediate_size // b)  # the scale grid's sizes
     for k, rank in enumerate(tp_ranks):
         c, er, ec = (k, 0, k) if ep == 1 else (k, k, 0)
         etp = len(tp_ranks) // ep
-        want = M._oracle(bits, cfg, len(tp_ranks), c, ep, er, etp, ec, 64, True)
+        want = M._oracle(quantized, cfg, len(tp_ranks), c, ep, er, etp, ec, 64, True)
         want |= {n + "_scale_inv": s for n, s in M._oracle(scales, small, len(tp_ranks), c, ep, er, etp, ec, 64,
                                                           True).items()}
         assert sorted(got[rank]) == sorted(want)
         assert {"model.layers.1.mlp.experts.w13_weight_scale_inv", "model.layers.1.mlp.experts.w2_weight_scale_inv",
                 "model.layers.0.mlp.gate_up_proj.weight_scale_inv"} <= set(want)
         for name, w in want.items():
-            np.testing.assert_array_equal(got[rank][name], w.astype(got[rank][name].dtype), err_msg=f"{rank} {name}")
+            g = got[rank][name]
+            np.testing.assert_array_equal(bits(g), bits(w.astype(g.dtype)), err_msg=f"{rank} {name}")

@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 
 import bridge
-from bridge.vllm._fp8 import as_engine_dtypes, check_fp8_targets, engine_fp8_format, fp8_sync_map
-from bridge.vllm._handshake import Target
+from bridge.vllm._fp8 import engine_fp8_format, fp8_sync_map
+from bridge.vllm._handshake import Target, check_targets
 from jreshard.core.fp8 import Fp8Format
 from jreshard.nn import LlamaConfig
 from tests.bridge import _common as C
@@ -62,13 +62,14 @@ def test_fp8_sync_fills_exactly_vllms_fp8_parameters(tp, heads, kv_heads):
     live = {r: targets(cfg, tp, (32, 128)) for r in ranks}
     pm = bridge.llama_param_map(cfg, source, ranks, fused=True, vocab_pad=64, dtype="bfloat16")
     fp8 = fp8_sync_map(source, pm, live, engine_fp8_format(QUANT))
-    assert check_fp8_targets(fp8, live) == []
+    assert check_targets(fp8.param_map, live) == []
     assert fp8.weights == {t.name for t in live[ranks[0]] if t.dtype == "float8_e4m3fn"}
     # The same map under the wrong block, or the bfloat16 map, does not fit the engine.
     wrong = fp8_sync_map(source, pm, live, Fp8Format(block=(32, 64)))
-    assert any("weight_scale_inv" in p for p in check_fp8_targets(wrong, live))
-    assert any("float8_e4m3fn in the engine but" in p for p in check_fp8_targets(
-        bridge.fp8_param_map(source, pm, Fp8Format(block=(32, 128)), quantize="nothing|.*qkv_proj.weight"), live))
+    assert any("weight_scale_inv" in p for p in check_targets(wrong.param_map, live))
+    assert any("float8_e4m3fn in the engine but" in p for p in check_targets(
+        bridge.fp8_param_map(source, pm, Fp8Format(block=(32, 128)), quantize="nothing|.*qkv_proj.weight").param_map,
+        live))
 
 
 def test_a_split_vllm_refuses_is_refused():
@@ -78,20 +79,6 @@ def test_a_split_vllm_refuses_is_refused():
     with pytest.raises(ValueError, match=r"o_proj.weight.*input_size_per_partition = 192 is not divisible by "
                                          r"block_k = 128"):
         fp8_sync_map(source, pm, {r: targets(cfg, 2, (32, 128)) for r in (2, 3)}, engine_fp8_format(QUANT))
-
-
-def test_received_bytes_are_viewed_as_fp8_for_write_layers():
-    torch = pytest.importorskip("torch")
-    cfg = config()
-    source = C.source_for(cfg)
-    pm = bridge.llama_param_map(cfg, source, [2], fused=True, vocab_pad=64, dtype="bfloat16")
-    fp8 = fp8_sync_map(source, pm, {2: targets(cfg, 1, (32, 128))}, engine_fp8_format(QUANT))
-    w = torch.tensor([0.5, -448.0, 3.0]).to(torch.float8_e4m3fn)
-    staged = {"model.layers.0.mlp.down_proj.weight": w.view(torch.uint8), "model.norm.weight": torch.ones(2)}
-    out = as_engine_dtypes(staged, fp8)
-    assert out["model.layers.0.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
-    assert out["model.layers.0.mlp.down_proj.weight"].float().tolist() == [0.5, -448.0, 3.0]
-    assert out["model.norm.weight"] is staged["model.norm.weight"]
 
 
 @pytest.mark.parametrize("config_,exc,match", [
