@@ -38,8 +38,9 @@ FMT = Fp8Format(block=(64, 128))
 
 
 def config() -> LlamaConfig:
-    # intermediate 256: every linear kernel is [256, 256] or [256, 128], so the trainers compile two quantizers.
-    return LlamaConfig.load("llama-tiny", vocab_size=256, intermediate_size=256, num_hidden_layers=2)
+    # One layer, intermediate 256: every linear kernel is [256, 256] or [256, 128], so the trainers compile
+    # two quantizers; vocabulary 128: TP2 holds 64 rows a rank.
+    return LlamaConfig.load("llama-tiny", vocab_size=128, intermediate_size=256, num_hidden_layers=1)
 
 
 def plans() -> tuple[bridge.Fp8ParamMap, bridge.BridgePlan, bridge.BridgePlan]:
@@ -53,7 +54,6 @@ def plans() -> tuple[bridge.Fp8ParamMap, bridge.BridgePlan, bridge.BridgePlan]:
 
 def trainer(rank: int, args) -> None:
     import jax
-    from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from bridge.fp8_sender import quantize_params
@@ -70,7 +70,9 @@ def trainer(rank: int, args) -> None:
     params = jax.jit(lambda key: jnn.init_params(cfg, key), out_shardings=_nest(shardings))(jax.random.key(0))
     tok = jax.make_array_from_callback((2, 16), NamedSharding(mesh, P()), lambda idx: C.tokens(cfg)[idx])
     logits = jax.jit(lambda p, t: jnn.logits(cfg, p, t), out_shardings=NamedSharding(mesh, P()))(params, tok)
-    full = {k: np.asarray(multihost_utils.process_allgather(v, tiled=True)) for k, v in flatten_params(params).items()}
+    # Every leaf replicated in one program (one compile), then read from a local device.
+    whole = jax.jit(lambda p: p, out_shardings=NamedSharding(mesh, P()))(flatten_params(params))
+    full = {k: np.asarray(v.addressable_data(0)) for k, v in whole.items()}
     if rank == 0:
         np.save(os.path.join(args.out, "jax_logits.npy"), np.asarray(logits.addressable_data(0)))
         np.savez(os.path.join(args.out, "params.npz"), **full)
