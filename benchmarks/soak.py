@@ -3,7 +3,7 @@
 Part 1, the bridge: 2 JAX trainer processes (2 simulated CPU devices each, FSDP over 4) send a
 small Llama (``jreshard.nn``, float32 in JAX) to 2 torch inference ranks (TP2, fused qkv and
 gate_up, bfloat16) over gloo on 127.0.0.1. Each round runs two syncs, in alternating order: one
-from a ``Sender`` with checksums on (the default) and one from a ``Sender(checksum=False)``, so
+from a ``Sender(checksum=True)`` and one from a ``Sender(checksum=False)`` (the default), so
 the checksum's cost is measured side by side, on the same plan, params and receivers. Each sync
 is timed from a barrier to the slowest rank's end. A failed sync (``SyncError``) is counted and
 the soak goes on. The receivers' params are compared bit for bit with the plan's NumPy oracle at
@@ -91,8 +91,8 @@ def bridge_worker(args) -> None:
         mesh = jax.make_mesh((4,), ("fsdp",), devices=jax.devices(), axis_types=(jax.sharding.AxisType.Auto,))
         params = {path: jax.make_array_from_callback(a.shape, NamedSharding(mesh, P(*fsdp_spec(path, a.shape))),
                                                      lambda idx, a=a: a[idx]) for path, a in arrays.items()}
-        senders = {"on": Sender(plan, rank=rank, timeout=120), "off": Sender(plan, rank=rank, timeout=120,
-                                                                             checksum=False)}
+        senders = {"on": Sender(plan, rank=rank, timeout=120, checksum=True),
+                   "off": Sender(plan, rank=rank, timeout=120, checksum=False)}
         version = iter(range(1, 1 << 62))
 
         def sync(kind: str) -> None:
@@ -284,8 +284,8 @@ def _report(args, ranks: list[dict], tr: dict, t_bridge: float, t_transfer: floa
           f"{r0['network_bytes'] / 1e6:.1f} MB per sync in {r0['buckets']} buckets of {args.bucket_mb} MiB; "
           f"{n} rounds of 2 syncs after 1 warm-up round ({t_bridge:.0f} s in all)")
     on, off = r0["times"]["on"], r0["times"]["off"]
-    print(f"  checksums on  (default)  {_ms(on)}   failures {r0['failures']['on']}")
-    print(f"  checksums off            {_ms(off)}   failures {r0['failures']['off']}")
+    print(f"  checksums on             {_ms(on)}   failures {r0['failures']['on']}")
+    print(f"  checksums off (default)  {_ms(off)}   failures {r0['failures']['off']}")
     p_on, p_off = float(np.percentile(on, 50)), float(np.percentile(off, 50))
     print(f"  checksum cost: {(p_on - p_off) / p_on * 100:+.1f}% of the sync time (p50), "
           f"{(np.mean(on) - np.mean(off)) / np.mean(on) * 100:+.1f}% (mean); budget 5%")

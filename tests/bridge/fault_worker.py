@@ -146,7 +146,7 @@ def main() -> None:
     def sync(version: int, pack=None) -> None:
         if rank == 0:
             run_sync(plan, 0, None, role=SENDER, version=version, status=0, timeout=TIMEOUT, ready_timeout=60,
-                     pack=pack or packer(plan, scaled[version]), recv=None, unpack=None)
+                     pack=pack or packer(plan, scaled[version]), recv=None, unpack=None, checksum=True)
         else:
             assert rec is not None
             rec.sync()
