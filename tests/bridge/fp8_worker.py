@@ -53,6 +53,7 @@ def plans() -> tuple[bridge.Fp8ParamMap, bridge.BridgePlan, bridge.BridgePlan]:
 
 
 def trainer(rank: int, args) -> None:
+    t0 = time.perf_counter()
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -64,8 +65,10 @@ def trainer(rank: int, args) -> None:
                                initialization_timeout=120)
     mesh = jax.make_mesh((4,), ("fsdp",), devices=jax.devices(), axis_types=(jax.sharding.AxisType.Auto,))
     bridge.init_group(rank, C.WORLD, port=args.port, timeout=120)
+    events["start_seconds"] = time.perf_counter() - t0  # imports, jax.distributed, the sync group
     fp8, fp8_plan, bf16_plan = plans()
     cfg = config()
+    t0 = time.perf_counter()
     shardings = {p: NamedSharding(mesh, P(*fsdp_spec(p, s))) for p, s in param_shapes(cfg).items()}
     params = jax.jit(lambda key: jnn.init_params(cfg, key), out_shardings=_nest(shardings))(jax.random.key(0))
     tok = jax.make_array_from_callback((2, 16), NamedSharding(mesh, P()), lambda idx: C.tokens(cfg)[idx])
@@ -73,6 +76,7 @@ def trainer(rank: int, args) -> None:
     # Every leaf replicated in one program (one compile), then read from a local device.
     whole = jax.jit(lambda p: p, out_shardings=NamedSharding(mesh, P()))(flatten_params(params))
     full = {k: np.asarray(v.addressable_data(0)) for k, v in whole.items()}
+    events["model_seconds"] = time.perf_counter() - t0  # params, logits, the full leaves
     if rank == 0:
         np.save(os.path.join(args.out, "jax_logits.npy"), np.asarray(logits.addressable_data(0)))
         np.savez(os.path.join(args.out, "params.npz"), **full)
