@@ -4,12 +4,12 @@ Setup: 2 JAX trainer processes (2 simulated CPU devices each, FSDP over 4) and 2
 inference ranks (TP2, vLLM-style fused qkv/gate_up, padded vocabulary), all on 127.0.0.1
 over gloo. The weights are float32 in JAX and bfloat16 on the inference ranks.
 
-  bridge     bridge.sender.Sender -> bridge.Receiver (DLPack export, XLA cast/transpose,
-             contiguous pieces sent and received in place, the rest packed; atomic commit
-             by copy on the receivers, the default)
+  bridge     bridge.sender.Sender(checksum=True) -> bridge.Receiver (DLPack export, XLA
+             cast/transpose, contiguous pieces sent and received in place, the rest packed;
+             xxh3 digests of every byte checked; atomic commit by copy on the receivers)
   swap       the same with Receiver(swap=True): the atomic commit swaps storage (no copy)
-  lean       swap=True and Sender(checksum=False): no digests and no commit copy, so what is left
-             over the floor is the protocol itself (votes, buckets, staging)
+  lean       swap=True and the Sender's default, checksum=False: no digests and no commit copy,
+             so what is left over the floor is the protocol itself (votes, buckets, staging)
   gather     what RL stacks do today: per tensor, gather the full tensor on trainer 0
              (a jitted all-gather to a replicated sharding), cast to bfloat16, broadcast it to
              every inference rank, each rank slicing its TP part
@@ -173,8 +173,8 @@ def worker(args) -> None:
         from bridge.sender import Sender
 
         mesh, params = _jax_params(args, src)
-        sender = Sender(plan, rank=rank, timeout=300)
-        unchecked = Sender(plan, rank=rank, timeout=300, checksum=False)
+        sender = Sender(plan, rank=rank, timeout=300, checksum=True)
+        unchecked = Sender(plan, rank=rank, timeout=300)  # the default: no digests
         wire = getattr(torch, plan.mapping.targets[0].dtype)
         replicate = jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, P()))
 
