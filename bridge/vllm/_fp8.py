@@ -23,6 +23,17 @@ Example:
   Fp8Format(block=(128, 128), dtype='float8_e4m3fn', amax_floor=0.0001, scaling='reciprocal')
   >>> engine_fp8_format(None) is None
   True
+
+The handshake: a worker of an FP8 engine adds ``fp8_hello(quant_config)`` to its
+description (nothing when the model is not FP8, so that hello is unchanged), and every
+rank reads the engine's format back with ``fp8_from_hellos``:
+
+  >>> from bridge.vllm._fp8 import fp8_from_hellos, fp8_hello
+  >>> hello = fp8_hello({"quant_method": "fp8", "weight_block_size": [128, 128]})
+  >>> hello
+  {'fp8': {'block': [128, 128], 'dtype': 'float8_e4m3fn'}}
+  >>> fp8_from_hellos([hello, hello]).block, fp8_hello(None), fp8_from_hellos([{}, {}]) is None
+  ((128, 128), {}, True)
 """
 
 from __future__ import annotations
@@ -36,7 +47,7 @@ from bridge._source import Source
 from bridge.vllm._handshake import Target
 from jreshard.core.fp8 import Fp8Format
 
-__all__ = ["engine_fp8_format", "fp8_sync_map"]
+__all__ = ["engine_fp8_format", "fp8_sync_map", "fp8_hello", "fp8_from_hellos"]
 
 _FORMATS = {"e4m3": "float8_e4m3fn"}
 
@@ -79,3 +90,41 @@ def fp8_sync_map(source: Source, param_map: ParamMap, targets: Mapping[int, Sequ
     """
     fp8_names = {t.name for live in targets.values() for t in live if t.dtype == fmt.dtype}
     return fp8_param_map(source, param_map, fmt, quantize=lambda name: name in fp8_names)
+
+
+def fp8_hello(quant_config: Any) -> dict[str, Any]:
+    """A worker's FP8 entry of its handshake description: ``{}`` when the model is not FP8.
+
+    ``{"fp8": {"block": [n, k], "dtype": ...}}`` for a block-FP8 model; a config the sync
+    cannot fill gives ``{"fp8": {"error": ...}}``, so that every rank refuses the plan
+    (``fp8_from_hellos``) instead of the worker failing alone.
+    """
+    if quant_config is not None and not isinstance(quant_config, Mapping) and hasattr(quant_config, "to_dict"):
+        quant_config = quant_config.to_dict()
+    try:
+        fmt = engine_fp8_format(quant_config)
+    except (TypeError, ValueError) as e:
+        return {"fp8": {"error": str(e)}}
+    if fmt is None:
+        return {}
+    return {"fp8": {"block": list(fmt.block), "dtype": fmt.dtype}}
+
+
+def fp8_from_hellos(workers: Sequence[Mapping[str, Any]]) -> Fp8Format | None:
+    """The engine's FP8 format from its workers' descriptions; ``None`` when none is FP8.
+
+    Raises:
+      ValueError: a worker's model is FP8 in a form the sync cannot fill, or the workers disagree.
+    """
+    entries = [w.get("fp8") for w in workers]
+    errors = [e["error"] for e in entries if e and "error" in e]
+    if errors:
+        raise ValueError(errors[0])
+    formats = {None if e is None else (tuple(e["block"]), e["dtype"]) for e in entries}
+    if len(formats) != 1:
+        raise ValueError(f"the vLLM workers disagree on the FP8 format (block, dtype): "
+                         f"{sorted(map(str, formats))}; serve one checkpoint on every worker.")
+    (only,) = formats
+    if only is None:
+        return None
+    return Fp8Format(block=only[0], dtype=only[1])

@@ -8,8 +8,10 @@ The trainer drives four phases on every worker:
 1. ``init_weight_transfer_engine``: join a new gloo group with the trainer ranks (a
    ``TCPStore`` on the trainer's address; never vLLM's own group), exchange plain-data
    descriptions (the trainer's leaves and recipe; this worker's TP rank, replica and
-   targets from the live model), build the ``ParamMap`` and ``BridgePlan`` and check
-   every worker's targets. A mismatch is refused on every rank before any byte moves.
+   targets from the live model, and its FP8 block format when the model is block-FP8),
+   build the ``ParamMap`` (FP8 weights and ``weight_scale_inv`` scales for an FP8 model,
+   ``bridge.vllm._agree``) and ``BridgePlan`` and check every worker's targets. A
+   mismatch is refused on every rank before any byte moves.
 2. ``start_weight_update``: nothing to prepare (the staging tensors persist).
 3. ``update_weights({"version": v})``: the bridge's ``Receiver`` receives this rank's
    slices into staging tensors (this rank's logical layout, never a full tensor). Once
@@ -40,6 +42,7 @@ from bridge._plan import BridgePlan
 from bridge._wire import SyncError, torch_dtype
 from bridge.receiver import Receiver
 from bridge.vllm._agree import plan_from_hellos
+from bridge.vllm._fp8 import fp8_hello
 from bridge.vllm._group import all_gather_json, close_group, open_group
 from bridge.vllm._handshake import PROTOCOL, Target
 from bridge.vllm._model import live_targets, torch_dtype_name, write_layers
@@ -233,4 +236,13 @@ def worker_hello(vllm_config: Any, trainers: int, targets: list[Target], dtype: 
     hello = {"role": "worker", "protocol": PROTOCOL, "rank": rank, "replica": replica, "tp_rank": tp_rank, "tp": tp,
              "replicas": par.data_parallel_size, "expert_parallel": bool(par.enable_expert_parallel),
              "dtype": dtype, "targets": [[t.name, list(t.shape), t.dtype] for t in targets]}
+    hello.update(fp8_hello(quant_config(vllm_config.model_config)))  # nothing unless the model is FP8
     return hello, rank
+
+
+def quant_config(model_config: Any) -> Any:
+    """The checkpoint's ``quantization_config`` as vLLM read it (``None`` for an unquantized model)."""
+    arch = getattr(model_config, "model_arch_config", None)
+    if arch is not None:
+        return getattr(arch, "quantization_config", None)
+    return getattr(model_config.hf_config, "quantization_config", None)

@@ -9,7 +9,9 @@ helper thread and sends at the same time. The first sync (and the first after a 
 one) opens a new gloo group with the workers and runs the handshake; later ones only
 send. Generation is paused during an update where the client can pause
 (``pause_generation``/``resume_generation``); the engine reports the synced version
-(``client.get_weight_version()``).
+(``client.get_weight_version()``). When the engine serves a block-FP8 model the handshake
+agrees on an FP8 sync, and every ``sync`` quantizes ``params`` where their shards are
+(``bridge.fp8_sender.quantize_params``) before sending FP8 weights and their scales.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ import logging
 import time
 from typing import Any
 
+from bridge._fp8 import Fp8ParamMap
 from bridge._plan import BridgePlan
 from bridge._wire import PlanMismatchError, SyncError
 from bridge.sender import Sender, describe
-from bridge.vllm._agree import plan_from_hellos
+from bridge.vllm._agree import agree
 from bridge.vllm._group import all_gather_json, close_group, open_group
 from bridge.vllm._handshake import PROTOCOL, Recipe, source_to_data
 
@@ -63,11 +66,13 @@ class VLLMWeightSync:
       bucket_bytes: the most bytes one rank sends or receives per bucket.
       timeout: seconds any single wait for data may take.
       ready_timeout: seconds to wait for every rank to join the group or a sync.
+      checksum: the ``Sender`` checksums every bucket (off by default; byte and segment
+        counts are always checked).
     """
 
     def __init__(self, recipe: Recipe, *, workers: int, client: Any = None, rank: int | None = None,
                  trainers: int | None = None, host: str = "127.0.0.1", port: int, bucket_bytes: int = 16 << 20,
-                 timeout: float = 60.0, ready_timeout: float = 600.0) -> None:
+                 timeout: float = 60.0, ready_timeout: float = 600.0, checksum: bool = False) -> None:
         import jax
 
         if not isinstance(recipe, Recipe):
@@ -84,9 +89,10 @@ class VLLMWeightSync:
                                 f"{type(client).__name__} lacks {missing}. Wrap a vllm.LLM in bridge.vllm.LLMClient.")
         self.recipe, self.workers, self.client = recipe, workers, client
         self.host, self.port, self.bucket_bytes = host, port, bucket_bytes
-        self.timeout, self.ready_timeout = timeout, ready_timeout
+        self.timeout, self.ready_timeout, self.checksum = timeout, ready_timeout, checksum
         self.group: Any = None
         self.plan: BridgePlan | None = None
+        self.fp8: Fp8ParamMap | None = None  # the agreed FP8 sync when the engine is FP8
         self.sender: Sender | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jreshard-client")
 
@@ -116,7 +122,8 @@ class VLLMWeightSync:
             hellos = all_gather_json(hello, self.group, timeout=self.ready_timeout, what="the handshake")
             mismatch = None
             try:
-                self.plan = plan_from_hellos(hellos)
+                agreed = agree(hellos)
+                self.plan, self.fp8 = agreed.plan, agreed.fp8
             except PlanMismatchError as e:  # every rank finds it; the workers still wait for the outcome
                 mismatch = e
             rows = all_gather_json({"rank": self.rank, "error": None if mismatch is None else str(mismatch)},
@@ -125,7 +132,8 @@ class VLLMWeightSync:
                 raise mismatch
             _raise_worker_errors(rows, "setting up")
             assert self.plan is not None
-            self.sender = Sender(self.plan, rank=self.rank, timeout=self.timeout, ready_timeout=self.ready_timeout)
+            self.sender = Sender(self.plan, rank=self.rank, timeout=self.timeout, ready_timeout=self.ready_timeout,
+                                 checksum=self.checksum)
         except BaseException:
             self.close()
             if init is not None:
@@ -149,6 +157,10 @@ class VLLMWeightSync:
         if self.group is None:
             self.connect(params)
         assert self.sender is not None
+        if self.fp8 is not None:  # before any engine call: a failure here leaves the engine as it was
+            from bridge.fp8_sender import quantize_params
+
+            params = quantize_params(params, self.fp8)
         paused = started = False
         update = None
         try:
