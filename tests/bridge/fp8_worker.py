@@ -1,14 +1,15 @@
 """One process of the FP8 end-to-end test: a JAX trainer (ranks 0, 1) or a torch receiver (2, 3).
 
-Run by tests/bridge/test_fp8_e2e.py. The trainers (2 CPU devices each, FSDP over 4) build
-the flax Llama, quantize its linear layers where their shards are
+Run by tests/bridge/test_fp8_e2e.py. For each model of ``MODELS`` in turn (the dense flax
+Llama, then the flax MoE model), the trainers (2 CPU devices each, FSDP over 4) build it,
+quantize its linear layers (and stacked experts) where their shards are
 (``bridge.fp8_sender.quantize_params``) and sync them, then sync the same weights in
-bfloat16. The receivers (TP2, fused ``qkv_proj``/``gate_up_proj``, vLLM's names) hold the
-FP8 weights as ``torch.float8_e4m3fn`` and record the bytes they received
-(``Receiver.stats``). Results go under
---out: ``params.npz`` (the trainer's float32 leaves), ``jax_logits.npy``,
-``rank{r}_fp8.npz`` (FP8 weights as their raw bytes, scales, the rest as float32) and
-``rank{r}.json``.
+bfloat16. The receivers (TP2, vLLM's names: fused ``qkv_proj``/``gate_up_proj``, FusedMoE's
+``w13_weight``/``w2_weight``) hold the FP8 weights as ``torch.float8_e4m3fn`` and record the
+bytes they received (``Receiver.stats``). Results go under --out, per model ``m``:
+``{m}_params.npz`` (the trainer's float32 leaves), ``{m}_jax_logits.npy``,
+``rank{r}_{m}_fp8.npz`` (FP8 weights as their raw bytes, scales, the rest as float32); and
+``rank{r}.json`` (events, per model under ``events[m]``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from worker import _nest, events, save  # noqa: E402
 
 import bridge  # noqa: E402
 from jreshard.core.fp8 import Fp8Format  # noqa: E402
-from jreshard.nn import LlamaConfig, fsdp_spec, param_shapes  # noqa: E402
+from jreshard.nn import LlamaConfig, MoeConfig, fsdp_spec, param_shapes  # noqa: E402
 
 TIMEOUT = 30.0
 # Blocks of 64 output rows x 128 input columns: TP2 shards and the fused parts hold whole blocks,
@@ -43,11 +44,31 @@ def config() -> LlamaConfig:
     return LlamaConfig.load("llama-tiny", vocab_size=128, intermediate_size=256, num_hidden_layers=1)
 
 
-def plans() -> tuple[bridge.Fp8ParamMap, bridge.BridgePlan, bridge.BridgePlan]:
-    """The FP8 sync and the bfloat16 sync of the same model, from the config alone (both sides)."""
-    cfg = config()
+def moe_config() -> MoeConfig:
+    # One sparse layer of 4 experts (top 2), hidden 256, expert MLP 256: TP2 gives each rank 128 gate
+    # and 128 up rows of w13 (two 64-row blocks each) and 128 input columns of w2 (one 128-wide block);
+    # heads of 64: q 128, k and v 64 rows a rank. The trainers' FSDP puts one expert on each device.
+    return MoeConfig.load("qwen3-moe-tiny", vocab_size=128, hidden_size=256, head_dim=64, intermediate_size=256,
+                          moe_intermediate_size=256, num_experts=4, num_hidden_layers=1)
+
+
+def _dense_map(cfg, source):
+    return bridge.llama_param_map(cfg, source, C.RECEIVERS, fused=True, vocab_pad=64, dtype="bfloat16")
+
+
+def _moe_map(cfg, source):
+    return bridge.qwen3_moe_param_map(cfg, source, C.RECEIVERS, vocab_pad=64, dtype="bfloat16")
+
+
+MODELS = {"dense": (config, _dense_map), "moe": (moe_config, _moe_map)}  # synced in this order
+
+
+def plans(model: str = "dense") -> tuple[bridge.Fp8ParamMap, bridge.BridgePlan, bridge.BridgePlan]:
+    """The FP8 sync and the bfloat16 sync of one model of ``MODELS``, from the config alone (both sides)."""
+    make_config, make_map = MODELS[model]
+    cfg = make_config()
     source = C.source_for(cfg)
-    pm = bridge.llama_param_map(cfg, source, C.RECEIVERS, fused=True, vocab_pad=64, dtype="bfloat16")
+    pm = make_map(cfg, source)
     fp8 = bridge.fp8_param_map(source, pm, FMT)
     return fp8, bridge.BridgePlan(fp8.source, fp8.param_map), bridge.BridgePlan(source, pm)
 
@@ -55,19 +76,28 @@ def plans() -> tuple[bridge.Fp8ParamMap, bridge.BridgePlan, bridge.BridgePlan]:
 def trainer(rank: int, args) -> None:
     t0 = time.perf_counter()
     import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    from bridge.fp8_sender import quantize_params
-    from bridge.sender import Sender, flatten_params
-    from jreshard import nn as jnn
 
     jax.distributed.initialize(f"127.0.0.1:{args.jax_port}", num_processes=2, process_id=rank,
                                initialization_timeout=120)
     mesh = jax.make_mesh((4,), ("fsdp",), devices=jax.devices(), axis_types=(jax.sharding.AxisType.Auto,))
     bridge.init_group(rank, C.WORLD, port=args.port, timeout=120)
     events["start_seconds"] = time.perf_counter() - t0  # imports, jax.distributed, the sync group
-    fp8, fp8_plan, bf16_plan = plans()
-    cfg = config()
+    for version, model in enumerate(MODELS):
+        _train_side(rank, args, mesh, model, version=2 * version + 1)
+
+
+def _train_side(rank: int, args, mesh, model: str, version: int) -> None:
+    """One model: build it, its logits and full leaves, then the FP8 sync (``version``) and the bfloat16 one."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from bridge.fp8_sender import quantize_params
+    from bridge.sender import Sender, flatten_params
+    from jreshard import nn as jnn
+
+    ev = events[model] = {}
+    fp8, fp8_plan, bf16_plan = plans(model)
+    cfg = MODELS[model][0]()
     t0 = time.perf_counter()
     shardings = {p: NamedSharding(mesh, P(*fsdp_spec(p, s))) for p, s in param_shapes(cfg).items()}
     params = jax.jit(lambda key: jnn.init_params(cfg, key), out_shardings=_nest(shardings))(jax.random.key(0))
@@ -76,45 +106,48 @@ def trainer(rank: int, args) -> None:
     # Every leaf replicated in one program (one compile), then read from a local device.
     whole = jax.jit(lambda p: p, out_shardings=NamedSharding(mesh, P()))(flatten_params(params))
     full = {k: np.asarray(v.addressable_data(0)) for k, v in whole.items()}
-    events["model_seconds"] = time.perf_counter() - t0  # params, logits, the full leaves
+    ev["model_seconds"] = time.perf_counter() - t0  # params, logits, the full leaves
     if rank == 0:
-        np.save(os.path.join(args.out, "jax_logits.npy"), np.asarray(logits.addressable_data(0)))
-        np.savez(os.path.join(args.out, "params.npz"), **full)
-    events["describe_matches_config"] = bridge.sender.describe(params, C.TRAINERS) == C.source_for(cfg)
+        np.save(os.path.join(args.out, f"{model}_jax_logits.npy"), np.asarray(logits.addressable_data(0)))
+        np.savez(os.path.join(args.out, f"{model}_params.npz"), **full)
+    ev["describe_matches_config"] = bridge.sender.describe(params, C.TRAINERS) == C.source_for(cfg)
     t0 = time.perf_counter()
     sent = quantize_params(params, fp8)
     jax.block_until_ready(sent)
-    events["quantize_seconds"] = time.perf_counter() - t0
-    events["quantized_matches_plan"] = bridge.sender.describe(sent, C.TRAINERS) == fp8.source
-    for phase, plan, tree, version in (("fp8", fp8_plan, sent, 1), ("bf16", bf16_plan, params, 2)):
+    ev["quantize_seconds"] = time.perf_counter() - t0
+    ev["quantized_matches_plan"] = bridge.sender.describe(sent, C.TRAINERS) == fp8.source
+    for phase, plan, tree, v in (("fp8", fp8_plan, sent, version), ("bf16", bf16_plan, params, version + 1)):
         t0 = time.perf_counter()
-        Sender(plan, rank=rank, timeout=TIMEOUT).sync(tree, version=version)
-        events[phase] = {"ok": True, "seconds": time.perf_counter() - t0}
+        Sender(plan, rank=rank, timeout=TIMEOUT).sync(tree, version=v)
+        ev[phase] = {"ok": True, "seconds": time.perf_counter() - t0}
         save(args.out, rank)
 
 
 def receiver(rank: int, args) -> None:
+    bridge.init_group(rank, C.WORLD, port=args.port, timeout=120)
+    for model in MODELS:
+        _receive_side(rank, args, model)
+
+
+def _receive_side(rank: int, args, model: str) -> None:
     import torch
 
-    bridge.init_group(rank, C.WORLD, port=args.port, timeout=120)
-    fp8, fp8_plan, bf16_plan = plans()
+    ev = events[model] = {}
+    fp8, fp8_plan, bf16_plan = plans(model)
     held = {p.name: torch.zeros(p.shape, dtype=getattr(torch, p.dtype)) for p in fp8.param_map.for_rank(rank)}
-    rec = bridge.Receiver(fp8_plan, held, rank=rank, timeout=TIMEOUT)
-    t0 = time.perf_counter()
-    version = rec.sync()
-    events["fp8"] = {"ok": True, "version": version, "seconds": time.perf_counter() - t0,
-                     "bytes": rec.stats["received"]}
-    events["fp8_dtypes"] = sorted({str(t.dtype) for t in held.values()})
-    np.savez(os.path.join(args.out, f"rank{rank}_fp8.npz"),
-             **{n: t.view(torch.uint8).numpy() if t.dtype == torch.float8_e4m3fn else t.float().numpy()
-                for n, t in held.items()})
     bf16 = {p.name: torch.zeros(p.shape, dtype=torch.bfloat16) for p in bf16_plan.param_map.for_rank(rank)}
-    rec = bridge.Receiver(bf16_plan, bf16, rank=rank, timeout=TIMEOUT)
-    t0 = time.perf_counter()
-    version = rec.sync()
-    events["bf16"] = {"ok": True, "version": version, "seconds": time.perf_counter() - t0,
-                      "bytes": rec.stats["received"]}
-    save(args.out, rank)
+    for phase, plan, tensors in (("fp8", fp8_plan, held), ("bf16", bf16_plan, bf16)):
+        rec = bridge.Receiver(plan, tensors, rank=rank, timeout=TIMEOUT)
+        t0 = time.perf_counter()
+        version = rec.sync()
+        ev[phase] = {"ok": True, "version": version, "seconds": time.perf_counter() - t0,
+                     "bytes": rec.stats["received"]}
+        if phase == "fp8":
+            ev["fp8_dtypes"] = sorted({str(t.dtype) for t in held.values()})
+            np.savez(os.path.join(args.out, f"rank{rank}_{model}_fp8.npz"),
+                     **{n: t.view(torch.uint8).numpy() if t.dtype == torch.float8_e4m3fn else t.float().numpy()
+                        for n, t in held.items()})
+        save(args.out, rank)
 
 
 def main() -> None:

@@ -1,18 +1,22 @@
-"""FP8 end to end: the flax Llama quantized on 2 JAX trainer processes into 2 torch ranks (TP2), over gloo.
+"""FP8 end to end: the flax Llama and MoE models quantized on 2 JAX trainer processes into 2 torch ranks (TP2).
 
-One launch of tests/bridge/fp8_worker.py: the trainers (FSDP over 4 CPU devices, whose
-shards cut the 128-wide input blocks) quantize the linear layers where their shards are
-and sync FP8 weights and scales into vLLM's fused names, then the same weights in
-bfloat16. Checked here: the received bits equal the NumPy quantizer of
-tests/bridge/test_fp8_rules.py on the full weights, sliced as vLLM slices them; a
-dequantized Hugging Face model (``weight = fp8 * scale_inv`` per block) gives the JAX
-model's logits within what FP8 allows; the receivers counted about half the bytes of
-the bfloat16 sync.
+One launch of tests/bridge/fp8_worker.py, over gloo: for the dense Llama, then the MoE
+model, the trainers (FSDP over 4 CPU devices, whose shards cut the dense kernels'
+128-wide input blocks; one expert per device) quantize the linear layers and stacked
+experts where their shards are and sync FP8 weights and scales into vLLM's names (fused
+``qkv_proj``/``gate_up_proj``, FusedMoE's ``w13_weight``/``w2_weight``), then the same
+weights in bfloat16. Checked here, for each model: the received bits equal the NumPy
+quantizer of tests/bridge/test_fp8_rules.py on the full weights (one expert at a time),
+sliced as vLLM slices them; a dequantized Hugging Face model (``weight = fp8 * scale_inv``
+per block) gives the JAX model's logits within what FP8 allows; the receivers counted
+about half the bytes of the bfloat16 sync.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,8 +25,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from tests.bridge import _common as C
-from tests.bridge.test_fp8_rules import bits, expected
+from bridge._fp8 import QUANTIZE_LINEAR
+from tests.bridge import _common as C, test_moe_rules as M
+from tests.bridge.test_fp8_rules import bits, expected, ref_quantize
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -53,22 +58,51 @@ def run(tmp_path_factory):
     return {"out": out, "events": events}
 
 
-def _received(run) -> list[dict[str, np.ndarray]]:
+def _received(run, model: str) -> list[dict[str, np.ndarray]]:
     out = []
     for r in C.RECEIVERS:
-        with np.load(run["out"] / f"rank{r}_fp8.npz") as z:
+        with np.load(run["out"] / f"rank{r}_{model}_fp8.npz") as z:
             out.append(dict(z))
     return out
 
 
-def test_received_bits_equal_the_reference_quantizer(run):
-    from tests.bridge.fp8_worker import FMT, config
+def _params(run, model: str) -> dict[str, np.ndarray]:
+    with np.load(run["out"] / f"{model}_params.npz") as z:
+        return dict(z)
 
-    cfg = config()
-    with np.load(run["out"] / "params.npz") as z:
-        flat = dict(z)
-    want = expected(cfg, flat, 2, FMT.block, fused=True)
-    for i, got in enumerate(_received(run)):
+
+def _moe_expected(cfg, flat: dict[str, np.ndarray], block) -> list[dict[str, np.ndarray]]:
+    """Every rank's MoE params: the full vLLM tensors quantized here (one expert at a time), then sliced."""
+    bn, bk = block
+    full = M._hf_full(flat, cfg, "vllm")
+    quantized, scales = dict(full), {}
+    for name, w in full.items():
+        if re.fullmatch(QUANTIZE_LINEAR, name):
+            pairs = [ref_quantize(m, bn, bk) for m in w.reshape(-1, *w.shape[-2:])]
+            quantized[name] = np.stack([q for q, _ in pairs]).reshape(w.shape)
+            scales[name] = np.stack([s for _, s in pairs]).reshape(*w.shape[:-2], *pairs[0][1].shape)
+    # The scale grids are sliced as the weights, in blocks: w13 by its rows (bn), w2 by its columns (bk).
+    rows, cols = (dataclasses.replace(cfg, moe_intermediate_size=cfg.moe_intermediate_size // b) for b in (bn, bk))
+    ranks = []
+    for c in range(2):
+        want = M._oracle(quantized, cfg, 2, c, 1, 0, 2, c, 64, True)
+        by_rows, by_cols = (M._oracle(scales, small, 2, c, 1, 0, 2, c, 64, True) for small in (rows, cols))
+        want |= {n + "_scale_inv": (by_cols if n.endswith("w2_weight") else by_rows)[n] for n in by_rows}
+        ranks.append(want)
+    return ranks
+
+
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_received_bits_equal_the_reference_quantizer(run, model):
+    from tests.bridge.fp8_worker import FMT, MODELS
+
+    cfg = MODELS[model][0]()
+    flat = _params(run, model)
+    want = expected(cfg, flat, 2, FMT.block, fused=True) if model == "dense" else _moe_expected(cfg, flat, FMT.block)
+    if model == "moe":
+        assert {"model.layers.0.mlp.experts.w13_weight_scale_inv", "model.layers.0.mlp.experts.w2_weight_scale_inv",
+                "model.layers.0.self_attn.qkv_proj.weight_scale_inv"} <= set(want[0])
+    for i, got in enumerate(_received(run, model)):
         assert sorted(got) == sorted(want[i])
         for name, w in want[i].items():
             if got[name].dtype == np.uint8 or name.endswith("_scale_inv"):  # FP8 bits, or float32 scales: exact
@@ -76,10 +110,10 @@ def test_received_bits_equal_the_reference_quantizer(run):
             else:  # embeddings, lm_head and norms travel in bfloat16
                 np.testing.assert_array_equal(got[name], w.astype(ml_dtypes.bfloat16).astype(np.float32), name)
     for r in C.RECEIVERS:
-        assert run["events"][r]["fp8_dtypes"] == ["torch.bfloat16", "torch.float32", "torch.float8_e4m3fn"]
+        assert run["events"][r][model]["fp8_dtypes"] == ["torch.bfloat16", "torch.float32", "torch.float8_e4m3fn"]
         assert run["events"][r]["jax_imported"] is False
     for r in C.TRAINERS:
-        ev = run["events"][r]
+        ev = run["events"][r][model]
         assert ev["describe_matches_config"] and ev["quantized_matches_plan"], ev
 
 
@@ -94,13 +128,12 @@ def _dequantized_hf_state(cfg, shards: list[dict[str, np.ndarray]]) -> dict[str,
         for name, a in s.items():
             if name.endswith("_scale_inv"):
                 continue
-            if a.dtype == np.uint8:
-                scale = s[name + "_scale_inv"]
-                a = a.view(ml_dtypes.float8_e4m3fn).astype(np.float32) * np.repeat(
-                    np.repeat(scale, bn, axis=0), bk, axis=1)[: a.shape[0], : a.shape[1]]
+            if a.dtype == np.uint8:  # [..., out, in] with scales [..., out / bn, in / bk]
+                scale = np.repeat(np.repeat(s[name + "_scale_inv"], bn, axis=-2), bk, axis=-1)
+                a = a.view(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale[..., : a.shape[-2], : a.shape[-1]]
             d[name] = a
         local.append(d)
-    q, kv = cfg.q_size // 2, cfg.kv_size // 2
+    q, kv, m = cfg.q_size // 2, cfg.kv_size // 2, getattr(cfg, "moe_intermediate_size", 0) // 2
     full = {}
     for name in local[0]:
         parts = [d[name] for d in local]
@@ -108,17 +141,28 @@ def _dequantized_hf_state(cfg, shards: list[dict[str, np.ndarray]]) -> dict[str,
             h = name.removesuffix("qkv_proj.weight")
             for n, lo, hi in (("q", 0, q), ("k", q, q + kv), ("v", q + kv, q + 2 * kv)):
                 full[f"{h}{n}_proj.weight"] = np.concatenate([p[lo:hi] for p in parts])
+        elif name.endswith("experts.w13_weight"):  # each rank: its gate rows, then its up rows
+            full[name.replace("w13_weight", "gate_up_proj")] = np.concatenate(
+                [p[:, :m] for p in parts] + [p[:, m:] for p in parts], axis=1)
+        elif name.endswith("experts.w2_weight"):
+            full[name.replace("w2_weight", "down_proj")] = np.concatenate(parts, axis=2)
         elif name.endswith("gate_up_proj.weight"):
             h, i = name.removesuffix("gate_up_proj.weight"), parts[0].shape[0] // 2
             full[h + "gate_proj.weight"] = np.concatenate([p[:i] for p in parts])
             full[h + "up_proj.weight"] = np.concatenate([p[i:] for p in parts])
         elif name.endswith(("o_proj.weight", "down_proj.weight")):
             full[name] = np.concatenate(parts, axis=1)
-        elif parts[0].ndim == 2:
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
             full[name] = np.concatenate(parts)[: cfg.vocab_size]
-        else:
+        else:  # norms and the MoE router: replicated
+            np.testing.assert_array_equal(parts[0], parts[1], err_msg=name)
             full[name] = parts[0]
     return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in full.items()}
+
+
+def _relative_error_and_cosine(got: np.ndarray, want: np.ndarray) -> tuple[float, float]:
+    err = float(np.abs(got - want).max() / np.abs(want).max())
+    return err, float((got * want).sum() / np.linalg.norm(got) / np.linalg.norm(want))
 
 
 def test_dequantized_model_logits_match_jax_within_fp8_tolerance(run):
@@ -126,19 +170,56 @@ def test_dequantized_model_logits_match_jax_within_fp8_tolerance(run):
 
     cfg = config()
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg.hf_kwargs(), attn_implementation="eager"))
-    hf.load_state_dict(_dequantized_hf_state(cfg, _received(run)), strict=True)
+    hf.load_state_dict(_dequantized_hf_state(cfg, _received(run, "dense")), strict=True)
     with torch.no_grad():
         got = hf(torch.from_numpy(C.tokens(cfg)).long()).logits.numpy()
-    want = np.load(run["out"] / "jax_logits.npy")
-    err = np.abs(got - want).max() / np.abs(want).max()
-    cos = float((got * want).sum() / np.linalg.norm(got) / np.linalg.norm(want))
+    want = np.load(run["out"] / "dense_jax_logits.npy")
+    err, cos = _relative_error_and_cosine(got, want)
     assert err < 0.1 and cos > 0.995, (err, cos)  # e4m3 keeps 3 mantissa bits: up to 6% per weight
     assert not np.allclose(got, want, rtol=1e-5, atol=1e-5)  # FP8 did change the weights
 
 
-def test_receivers_count_about_half_the_bytes_of_bfloat16(run):
+def _moe_logits_and_experts(cfg, state: dict[str, torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+    """Qwen3MoeForCausalLM's logits of the test tokens, and each token's chosen experts (sorted) in layer 0."""
+    hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**cfg.hf_kwargs(), attn_implementation="eager"))
+    hf.load_state_dict(state, strict=True)
+    router, chosen = hf.model.layers[0].mlp.gate, []
+    # The router's own scores from its input (as the layer computes them), whatever the module returns.
+    hook = router.register_forward_hook(lambda mod, args, _: chosen.append(
+        torch.topk(torch.nn.functional.linear(args[0], mod.weight), cfg.num_experts_per_tok).indices))
+    try:
+        with torch.no_grad():
+            logits = hf(torch.from_numpy(C.tokens(cfg)).long()).logits.numpy()
+    finally:
+        hook.remove()
+    return logits, np.sort(chosen[0].reshape(-1, cfg.num_experts_per_tok).numpy(), axis=-1)
+
+
+def test_dequantized_moe_logits_match_jax_within_fp8_tolerance(run):
+    """As the dense model, on the tokens whose experts FP8 left unchanged; a routing flip is bounded apart."""
+    from tests.bridge.fp8_worker import moe_config
+
+    cfg = moe_config()
+    want = np.load(run["out"] / "moe_jax_logits.npy")
+    full = M._hf_full(_params(run, "moe"), cfg, "hf")
+    exact = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in full.items()}
+    reference, experts = _moe_logits_and_experts(cfg, exact)  # the float32 weights: JAX's logits and routing
+    np.testing.assert_allclose(reference, want, rtol=1e-5, atol=1e-5)
+    got, fp8_experts = _moe_logits_and_experts(cfg, _dequantized_hf_state(cfg, _received(run, "moe")))
+    kept = (experts == fp8_experts).all(-1).reshape(want.shape[:-1])
+    assert kept.mean() >= 0.8, kept  # a router score within FP8's error of the next one: few tokens
+    err, cos = _relative_error_and_cosine(got[kept], want[kept])
+    assert err < 0.1 and cos > 0.995, (err, cos)  # the dense model's bounds
+    # A flipped token mixes another expert's output: its logits move more (measured 0.14 of the largest logit).
+    err, cos = _relative_error_and_cosine(got, want)
+    assert err < 0.25 and cos > 0.995, (err, cos)
+    assert not np.allclose(got, want, rtol=1e-5, atol=1e-5)  # FP8 did change the weights
+
+
+@pytest.mark.parametrize("model,version", [("dense", 1), ("moe", 3)])
+def test_receivers_count_about_half_the_bytes_of_bfloat16(run, model, version):
     for r in C.RECEIVERS:
-        ev = run["events"][r]
+        ev = run["events"][r][model]
         fp8, bf16 = ev["fp8"]["bytes"], ev["bf16"]["bytes"]
-        assert ev["fp8"]["version"] == 1 and ev["bf16"]["version"] == 2
+        assert ev["fp8"]["version"] == version and ev["bf16"]["version"] == version + 1
         assert 0.5 < fp8 / bf16 < 0.6, (fp8, bf16)  # linear layers halved; embeddings and lm_head stay bfloat16
