@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,9 +24,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from bridge._fp8 import QUANTIZE_LINEAR
 from tests.bridge import _common as C, test_moe_rules as M
-from tests.bridge.test_fp8_rules import bits, expected, ref_quantize
+from tests.bridge.test_fp8_rules import bits, expected, quantize_full
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -74,13 +72,7 @@ def _params(run, model: str) -> dict[str, np.ndarray]:
 def _moe_expected(cfg, flat: dict[str, np.ndarray], block) -> list[dict[str, np.ndarray]]:
     """Every rank's MoE params: the full vLLM tensors quantized here (one expert at a time), then sliced."""
     bn, bk = block
-    full = M._hf_full(flat, cfg, "vllm")
-    quantized, scales = dict(full), {}
-    for name, w in full.items():
-        if re.fullmatch(QUANTIZE_LINEAR, name):
-            pairs = [ref_quantize(m, bn, bk) for m in w.reshape(-1, *w.shape[-2:])]
-            quantized[name] = np.stack([q for q, _ in pairs]).reshape(w.shape)
-            scales[name] = np.stack([s for _, s in pairs]).reshape(*w.shape[:-2], *pairs[0][1].shape)
+    quantized, scales = quantize_full(M._hf_full(flat, cfg, "vllm"), bn, bk)
     # The scale grids are sliced as the weights, in blocks: w13 by its rows (bn), w2 by its columns (bk).
     rows, cols = (dataclasses.replace(cfg, moe_intermediate_size=cfg.moe_intermediate_size // b) for b in (bn, bk))
     ranks = []

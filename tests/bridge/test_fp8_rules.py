@@ -220,6 +220,17 @@ def test_refusals_of_quantize():
         bridge.fp8_param_map(source, pm, fmt, quantize=3)
 
 
+def quantize_full(full: dict[str, np.ndarray], bn: int, bk: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The linear tensors of ``full`` quantized here, one matrix (expert) at a time: (tensors, their scales)."""
+    quantized, scales = dict(full), {}
+    for name, w in full.items():
+        if re.fullmatch(QUANTIZE_LINEAR, name):
+            pairs = [ref_quantize(m, bn, bk) for m in w.reshape(-1, *w.shape[-2:])]
+            quantized[name] = np.stack([q for q, _ in pairs]).reshape(w.shape)
+            scales[name] = np.stack([s for _, s in pairs]).reshape(*w.shape[:-2], *pairs[0][1].shape)
+    return quantized, scales
+
+
 @pytest.mark.parametrize("tp_ranks,ep", [([2, 3], 1), ([2, 3], 2)], ids=["tp2", "ep2"])
 def test_moe_experts_quantized_per_expert_and_block(tp_ranks, ep):
     """Stacked experts ``[E, H, I]`` into vLLM's ``w13_weight``/``w2_weight`` with their scales."""
@@ -236,13 +247,7 @@ def test_moe_experts_quantized_per_expert_and_block(tp_ranks, ep):
                                Fp8Format(block=(b, b)))
     assert fp8.formats["layers_1/mlp/experts/gate_proj"].block == (1, b, b)
     got = bridge.BridgePlan(fp8.source, fp8.param_map).reference(sent_tree(fp8, arrays))
-    full = M._hf_full(arrays, cfg, "vllm")
-    quantized, scales = dict(full), {}
-    for name, w in full.items():
-        if re.fullmatch(QUANTIZE_LINEAR, name):
-            pairs = [ref_quantize(m, b, b) for m in w.reshape(-1, *w.shape[-2:])]
-            quantized[name] = np.stack([q for q, _ in pairs]).reshape(w.shape)
-            scales[name] = np.stack([s for _, s in pairs]).reshape(*w.shape[:-2], *pairs[0][1].shape)
+    quantized, scales = quantize_full(M._hf_full(arrays, cfg, "vllm"), b, b)
     small = dataclasses.replace(cfg, moe_intermediate_size=cfg.moe_intermediate_size // b)  # the scale grid's sizes
     for k, rank in enumerate(tp_ranks):
         c, er, ec = (k, 0, k) if ep == 1 else (k, k, 0)
