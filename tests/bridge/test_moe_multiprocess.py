@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -36,14 +35,7 @@ def run(tmp_path_factory):
                "--jax-port", str(ports["jax"]), "--out", str(out)]
         with open(out / f"rank{r}.log", "w") as log:
             procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-    deadline = time.monotonic() + LIMIT
-    try:
-        for p in procs:
-            p.wait(max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        C.kill_all(procs)
+    C.wait_all(procs, LIMIT)
     events = {r: json.loads(f.read_text()) if (f := out / f"rank{r}.json").exists() else {} for r in range(C.WORLD)}
     logs = "\n".join(f"--- {f.name}\n{f.read_text()[-3000:]}" for f in sorted(out.glob("*.log")))
     return {"out": out, "events": events, "logs": logs}
