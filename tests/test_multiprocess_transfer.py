@@ -6,45 +6,19 @@ and hierarchical delivery: each byte crosses into each process once, counted by 
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests._workers.launch import run_two
 
 WORKER = Path(__file__).parent / "_workers" / "transfer_worker.py"
 TIMEOUT_S = 180
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.multiprocess
 def test_two_processes_move_data_between_processes_and_change_spec():
-    port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[1]))
-    env.pop("XLA_FLAGS", None)
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(rank), str(port)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in range(2)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=TIMEOUT_S))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, (out, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 0, f"worker failed ({p.returncode}):\n{out}\n{err[-4000:]}"
-    results = [json.loads([ln for ln in out.splitlines() if ln.startswith("{")][-1]) for out, _ in outs]
+    results = run_two(WORKER, TIMEOUT_S)
     for r in results:
         assert r["run0"] and r["run1"], r
         assert r["cast_buckets"] and r["xla_packing"], r

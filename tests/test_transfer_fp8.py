@@ -9,12 +9,7 @@ replicated; targets are TP1, TP2 and TP4 as vLLM splits them.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -27,6 +22,7 @@ import jreshard
 from jreshard.core.fp8 import Fp8Format
 from jreshard.jax_executor.fp8 import quantize, quantize_tree
 from tests._workers.fp8_worker import ref_quantize
+from tests._workers.launch import run_two
 
 DEVS = jax.devices()
 WORKER = Path(__file__).parent / "_workers" / "fp8_worker.py"
@@ -219,31 +215,9 @@ def test_errors_name_the_argument(i):
         call()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.mark.multiprocess
 def test_two_processes_exchange_amax_across_processes():
-    port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[1]))
-    env.pop("XLA_FLAGS", None)
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(rank), str(port)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=180))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, (out, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 0, f"worker failed ({p.returncode}):\n{out}\n{err[-4000:]}"
-    results = [json.loads([ln for ln in out.splitlines() if ln.startswith("{")][-1]) for out, _ in outs]
+    results = run_two(WORKER, 180)
     for r in results:
         assert r["quantize_a"] and r["transfer_a"], r
     assert [r["held_a"] for r in results] == [0, 2]
