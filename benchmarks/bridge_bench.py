@@ -54,6 +54,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -344,6 +345,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_ranks(script: str, world: int, argv: list[str], env: dict[str, str],
+              timeout: float) -> tuple[list[str], dict[str, Any]]:
+    """Runs ``script --rank=r *argv`` for every rank, each in its own session (killed if it outlives
+    ``timeout``); returns every rank's output and the first ``RESULT {json}`` line any rank printed."""
+    procs = [subprocess.Popen([sys.executable, script, f"--rank={r}", *argv], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for r in range(world)]
+    outputs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            outputs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    lines = [line for o in outputs for line in o.splitlines() if line.startswith("RESULT ")]
+    if not lines:
+        print("\n".join(o[-3000:] for o in outputs))
+        raise SystemExit("benchmark failed: no result")
+    return outputs, json.loads(lines[0][len("RESULT "):])
+
+
 def main() -> None:
     if "--fp8" in sys.argv[1:]:
         # FP8 has a benchmark of its own (FP8, bfloat16 and "bfloat16, then quantize" side by side);
@@ -381,24 +406,7 @@ def main() -> None:
               *(["--plain"] if args.plain else []), *(["--hierarchical"] if args.hierarchical else []),
               f"--port={port}", f"--jax-port={jport}"]
     world = len(TRAINERS) + (sum(len(n) for n in NODES) if args.hierarchical else len(RECEIVERS))
-    procs = [subprocess.Popen([sys.executable, __file__, f"--rank={r}", *common], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-             for r in range(world)]
-    outputs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=args.timeout)
-            outputs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    lines = [line for o in outputs for line in o.splitlines() if line.startswith("RESULT ")]
-    if not lines:
-        print("\n".join(o[-3000:] for o in outputs))
-        raise SystemExit("benchmark failed: no result")
-    res = json.loads(lines[0][len("RESULT "):])
+    outputs, res = run_ranks(__file__, world, common, env, args.timeout)
     if args.profile:
         for o in outputs:
             i = o.find("PROFILE")

@@ -27,9 +27,7 @@ import argparse
 import json
 import os
 import platform
-import signal
 import statistics
-import subprocess
 import sys
 import time
 
@@ -37,7 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from bridge_bench import RECEIVERS, TRAINERS, WORLD, _config, _free_port, _timed  # noqa: E402
+from bridge_bench import RECEIVERS, TRAINERS, WORLD, _config, _free_port, _timed, run_ranks  # noqa: E402
 
 MODES = ("fp8", "bf16", "bf16+q", "quantize")
 
@@ -191,24 +189,8 @@ def main() -> None:
               f"--bucket-mb={args.bucket_mb}", f"--block={'x'.join(map(str, args.block))}", f"--port={port}",
               f"--jax-port={jport}"]
     t0 = time.perf_counter()
-    procs = [subprocess.Popen([sys.executable, __file__, f"--rank={r}", *common], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-             for r in range(WORLD)]
-    outputs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=args.timeout)
-            outputs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    lines = [line for o in outputs for line in o.splitlines() if line.startswith("RESULT ")]
-    if not lines:
-        print("\n".join(o[-3000:] for o in outputs))
-        raise SystemExit("benchmark failed: no result")
-    _report(args, json.loads(lines[0][len("RESULT "):]), time.perf_counter() - t0)
+    _, res = run_ranks(__file__, WORLD, common, env, args.timeout)
+    _report(args, res, time.perf_counter() - t0)
 
 
 def _report(args, res, wall: float) -> None:
