@@ -80,7 +80,7 @@ _HOST_PACKING_BACKENDS = frozenset({"cpu"})
 # process against the cross-process collective (gloo), as benchmarks/transfer_bench.py
 # measures them here (docs/transfer.md); other backends: the DGX H100 hardware file.
 _AUTO_LINKS = {"cpu": Topology(1, nvlink_GBps=2.0, network_GBps=0.25, latency_us=500)}
-_AUTO_LINKS_DEFAULT = Topology.from_hardware("dgx-h100")
+_AUTO_LINKS_DEFAULT = "dgx-h100"  # read from its hardware file on first use, not at import
 
 # Syncs whose bytes sent by this process pass this show a progress bar on a terminal.
 _PROGRESS_BYTES = 1 << 30
@@ -266,7 +266,13 @@ def process_domains() -> Domains:
 
 def auto_topology(platform: str, domains: Domains) -> Topology:
     """The links ``hierarchical="auto"`` weighs for devices of ``platform`` grouped by ``domains``."""
-    return _AUTO_LINKS.get(platform, _AUTO_LINKS_DEFAULT).with_domains(domains)
+    links = _AUTO_LINKS.get(platform) or _hardware_links(_AUTO_LINKS_DEFAULT)
+    return links.with_domains(domains)
+
+
+@functools.cache
+def _hardware_links(name: str) -> Topology:
+    return Topology.from_hardware(name)
 
 
 @functools.lru_cache(maxsize=64)
