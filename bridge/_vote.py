@@ -26,8 +26,8 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-import xxhash
 
+from bridge import _digest as _digest_mod
 from bridge._plan import BridgePlan, Message
 
 __all__ = ["Code", "Status", "Failure", "row_length", "make_row", "send_digests", "verdict", "digests",
@@ -35,7 +35,7 @@ __all__ = ["Code", "Status", "Failure", "row_length", "make_row", "send_digests"
 
 TEXT_WORDS = 24  # 192 bytes of an error message travel with a failure status
 HEAD = 6 + TEXT_WORDS  # code, bucket, peer, move, checksummed, text length, text
-UNCHECKED = 0  # a digest of 0 means "not computed" (checksums off, or a tensor not in host memory)
+UNCHECKED = 0  # a digest of 0 means "not computed" (checksums off)
 
 
 class Code(enum.IntEnum):
@@ -76,24 +76,21 @@ def row_length(plan: BridgePlan, bucket: int, ranks: Sequence[int]) -> int:
     return HEAD + max((sum(_layout(plan, bucket, r)) for r in ranks), default=0)
 
 
-def _to_int64(d: int) -> int:
-    return d - (1 << 64) if d >= 1 << 63 else d
+def _digest(t: torch.Tensor, like: int | None = None) -> int:
+    """xxh3-64 in host memory, a sum on the tensor's own device elsewhere (``bridge._digest``)."""
+    return _digest_mod.digest(t, like)
 
 
-def _digest(t: torch.Tensor) -> int:
-    if t.device.type != "cpu":
-        return UNCHECKED
-    return _to_int64(xxhash.xxh3_64_intdigest(t.contiguous().view(torch.uint8).numpy().data)) or 1
-
-
-def digests(plan: BridgePlan, m: Message, tensors: Sequence[torch.Tensor]) -> list[int]:
-    """The digest of every piece of ``m`` in ``tensors``, one tensor per segment (bytes ``[start, stop)``)."""
+def digests(plan: BridgePlan, m: Message, tensors: Sequence[torch.Tensor],
+            like: dict[int, int] | None = None) -> list[int]:
+    """The digest of every piece of ``m`` in ``tensors``, one tensor per segment (bytes ``[start, stop)``);
+    ``like``: ``{move: digest announced}``, so each piece is digested the way its sender did it."""
     out = []
     for seg, t, members in zip(plan.segments(m), tensors, plan.segment_pieces(m), strict=True):
         flat = t.reshape(-1).view(torch.uint8) if t.is_contiguous() else t.contiguous().reshape(-1).view(torch.uint8)
         for i, off in members:
             n = plan.moves[i].nbytes
-            out.append(_digest(flat[off - seg.start:off - seg.start + n]))
+            out.append(_digest(flat[off - seg.start:off - seg.start + n], (like or {}).get(i)))
     return out
 
 
