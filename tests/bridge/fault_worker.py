@@ -1,10 +1,14 @@
 """One process of the fault-injection tests (torch only): rank 0 sends, ranks 1 and 2 receive (TP2).
 
-Run by tests/bridge/test_faults.py, one launch of three processes per fault. Every rank runs
-three syncs: version 1 (must succeed), version 2 with the fault injected, version 3 (must
-succeed again: on the same group after a fault the votes catch, on a rebuilt group, port2,
-after a death or a stall; a killed rank is relaunched with --restart and joins version 3 only).
-Results go to ``fault{rank}.json`` (``fault{rank}_restart.json`` for a relaunched rank).
+Run by tests/bridge/test_faults.py: one launch runs a list of faults in sequence (``--faults a,b,...``).
+Every rank syncs version 1 (must succeed), then, for fault ``k``, version ``2k+2`` with the fault
+injected and version ``2k+3``, which must succeed again: on the same group after a fault the votes
+catch, on a rebuilt group (the next port of ``--ports``) after a death or a stall. A killed rank is
+replaced by a standby process started with the others (``--standby k``): it waits until the victim
+of fault ``k`` died, joins the rebuilt group and goes on with the faults after ``k``, so start-ups
+overlap. Results go to ``fault{rank}.json`` (``fault{rank}_standby{k}.json`` for a standby): per
+fault the error, the seconds from the start of the sync call to the error and the time of the
+error; a victim writes the time of its death to ``dead{k}`` just before it dies.
 
 Faults are injected by ``_fault`` below, a test-only hook: it wraps the sender's pack, or
 ``torch.distributed``'s calls in this process, for the faulty sync only. Names:
@@ -29,6 +33,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -41,10 +46,10 @@ from bridge._wire import SENDER, run_sync  # noqa: E402
 from jreshard import Layout  # noqa: E402
 from tests.bridge.wire_worker import sender as wire_sender  # noqa: E402
 
-TIMEOUT = 4.0  # the data deadline of every sync
-STALL = TIMEOUT + 3.0
-FAULTY = 2  # the version synced with the fault
+TIMEOUT = 4.0  # the deadline of every sync after its handshake
+STALL = TIMEOUT + 1.5  # a stalled rank sleeps past every other rank's deadline
 WORLD = 3
+VICTIMS = {"sender": 0, "receiver": 2}
 
 
 def make_plan() -> tuple[bridge.BridgePlan, dict[str, np.ndarray]]:
@@ -57,16 +62,30 @@ def make_plan() -> tuple[bridge.BridgePlan, dict[str, np.ndarray]]:
     return plan, {"w": rng.standard_normal((64, 48), dtype=np.float32), "v": rng.standard_normal(48, dtype=np.float32)}
 
 
-def packer(plan: bridge.BridgePlan, arrays: dict[str, np.ndarray]):
-    """The sender's pack, standing in for the JAX Sender: every piece packed into the message buffer."""
-    return wire_sender(plan, arrays, 0.0)
+def victim(fault: str) -> int | None:
+    """The rank that ``fault`` kills, if any."""
+    return VICTIMS[fault.split("_")[1]] if fault.startswith("kill_") else None
 
 
-def _fault(fault: str, rank: int, plan: bridge.BridgePlan, pack):
+def needs_rebuild(fault: str) -> bool:
+    return fault.startswith(("kill_", "stall_"))
+
+
+def stalled(fault: str) -> int | None:
+    """The rank that ``fault`` stalls, if any."""
+    return {"stall_sender": 0, "stall_ack": 2}.get(fault)
+
+
+def _fault(fault: str, rank: int, plan: bridge.BridgePlan, pack, dead: Path):
     """Installs ``fault`` for this process's next sync; returns the (possibly wrapped) pack and an undo."""
     real_batch, real_gather = dist.batch_isend_irecv, dist.all_gather
     calls = {"batch": 0, "gather": 0}
     final_gather = plan.num_buckets + 2  # the handshake, one vote per bucket, then the final ack
+    mine = victim(fault) == rank
+
+    def die() -> None:
+        dead.write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def batch(ops):
         calls["batch"] += 1
@@ -74,16 +93,15 @@ def _fault(fault: str, rank: int, plan: bridge.BridgePlan, pack):
             if fault == "flip" and rank == 0:
                 t = next(op.tensor for op in ops if op.op is dist.isend)
                 t[0] = t[0] ^ 0xFF
-            if fault in (f"kill_{_who(rank)}_mid",):
-                os.kill(os.getpid(), signal.SIGKILL)
+            if mine and fault.endswith("_mid"):
+                die()
         return real_batch(ops)
 
     def gather(*args, **kwargs):
         calls["gather"] += 1
         n = calls["gather"]
-        who = _who(rank)
-        if (n == 1 and fault == f"kill_{who}_setup") or (n == final_gather and fault == f"kill_{who}_ack"):
-            os.kill(os.getpid(), signal.SIGKILL)
+        if mine and ((n == 1 and fault.endswith("_setup")) or (n == final_gather and fault.endswith("_ack"))):
+            die()
         if n == final_gather and fault == "stall_ack" and rank == 2:
             time.sleep(STALL)
         return real_gather(*args, **kwargs)
@@ -114,70 +132,80 @@ def _fault(fault: str, rank: int, plan: bridge.BridgePlan, pack):
     return wrapped, undo
 
 
-def _who(rank: int) -> str:
-    return "sender" if rank == 0 else "receiver" if rank == 2 else "bystander"
-
-
-def needs_rebuild(fault: str) -> bool:
-    return fault.startswith(("kill_", "stall_"))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--port2", type=int, required=True)
-    ap.add_argument("--fault", required=True)
+    ap.add_argument("--ports", required=True, help="comma-separated: the first group's, then one per rebuild")
+    ap.add_argument("--faults", required=True, help="comma-separated fault names, run in this order")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--restart", action="store_true")
+    ap.add_argument("--standby", type=int, default=-1, help="replace the victim of fault k once it died")
     args = ap.parse_args()
     plan, arrays = make_plan()
-    rank, events = args.rank, {}
-    name = os.path.join(args.out, f"fault{rank}{'_restart' if args.restart else ''}.json")
+    rank, faults, out = args.rank, args.faults.split(","), Path(args.out)
+    ports = [int(p) for p in args.ports.split(",")]
+    events: dict = {"faults": {}, "recovery": {}}
+    name = out / f"fault{rank}{f'_standby{args.standby}' if args.standby >= 0 else ''}.json"
 
     def save():
-        with open(name, "w") as f:
-            json.dump(events, f)
+        name.write_text(json.dumps(events))
 
-    scaled = {v: {k: a * v for k, a in arrays.items()} for v in (1, 2, 3)}
     params = {p.name: torch.zeros(p.shape, dtype=torch.bfloat16) for p in plan.param_map.for_rank(rank)}
     rec = None if rank == 0 else bridge.Receiver(plan, params, rank=rank, timeout=TIMEOUT, ready_timeout=60)
 
     def sync(version: int, pack=None) -> None:
         if rank == 0:
+            scaled = {k: a * version for k, a in arrays.items()}
             run_sync(plan, 0, None, role=SENDER, version=version, status=0, timeout=TIMEOUT, ready_timeout=60,
-                     pack=pack or packer(plan, scaled[version]), recv=None, unpack=None, checksum=True)
+                     pack=pack or wire_sender(plan, scaled, 0.0), recv=None, unpack=None, checksum=True)
         else:
             assert rec is not None
             rec.sync()
 
     def exact(version: int) -> bool:
-        want = plan.reference(scaled[version])[rank]
+        want = plan.reference({k: a * version for k, a in arrays.items()})[rank]
         return all(torch.equal(params[n].float(), torch.from_numpy(want[n].astype(np.float32))) for n in params)
 
-    if not args.restart:
-        bridge.init_group(rank, WORLD, port=args.port, timeout=60)
+    def group(k: int) -> int:
+        """The port of the group that the recovery sync after fault ``k`` runs on."""
+        return ports[sum(needs_rebuild(f) for f in faults[:k + 1])]
+
+    if args.standby >= 0:  # ready before the victim dies; joins the group rebuilt after its death
+        deadline = time.monotonic() + 240
+        while not (out / f"dead{args.standby}").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        bridge.rebuild_group(rank, WORLD, port=group(args.standby), timeout=60)
+        start = args.standby
+    else:
+        bridge.init_group(rank, WORLD, port=ports[0], timeout=60)
         sync(1)
         events["first"] = {"exact": rank == 0 or exact(1)}
         save()
-        before = {k: v.clone() for k, v in params.items()}
-        pack, undo = _fault(args.fault, rank, plan, packer(plan, scaled[FAULTY]))
-        t0 = time.perf_counter()
-        try:
-            sync(FAULTY, pack)
-            events["fault"] = {"ok": True}
-        except bridge.SyncError as e:
-            events["fault"] = {"ok": False, "error": type(e).__name__, "message": str(e),
-                               "seconds": time.perf_counter() - t0,
-                               "unchanged": all(torch.equal(before[k], params[k]) for k in params),
-                               "version": None if rec is None else rec.version}
-        undo()
+        start = -1
+    for k, fault in enumerate(faults):
+        if k < start:
+            continue
+        if k > start:
+            v = 2 * k + 2
+            scaled = {key: a * v for key, a in arrays.items()}
+            before = {key: t.clone() for key, t in params.items()}
+            pack, undo = _fault(fault, rank, plan, wire_sender(plan, scaled, 0.0), out / f"dead{k}")
+            t0 = time.perf_counter()
+            try:
+                sync(v, pack)
+                events["faults"][fault] = {"ok": True}
+            except bridge.SyncError as e:
+                events["faults"][fault] = {
+                    "ok": False, "error": type(e).__name__, "message": str(e), "seconds": time.perf_counter() - t0,
+                    "at": time.time(), "unchanged": all(torch.equal(before[key], params[key]) for key in params),
+                    "version": None if rec is None else rec.version}
+            undo()
+            save()
+            if needs_rebuild(fault):
+                bridge.rebuild_group(rank, WORLD, port=group(k), timeout=60)
+        sync(2 * k + 3)
+        events["recovery"][fault] = {"exact": rank == 0 or exact(2 * k + 3),
+                                     "version": None if rec is None else rec.version}
         save()
-    if args.restart or needs_rebuild(args.fault):
-        bridge.rebuild_group(rank, WORLD, port=args.port2, timeout=60)
-    sync(3)
-    events["recovery"] = {"exact": rank == 0 or exact(3), "version": None if rec is None else rec.version}
-    save()
     dist.destroy_process_group()
 
 
