@@ -48,9 +48,9 @@ def test_stalled_sender_fails_the_receiver_in_time_without_touching_weights(even
 
     ev = events[1]["stall"]
     assert ev["ok"] is False and ev["error"] == "SyncError", ev
-    # It waited for the stalled sender at least its timeout, and gave up well before the sender's
-    # own timeout or the group's (30 s) would have ended the sync.
-    assert STALL_TIMEOUT - 0.5 < ev["seconds"] < STALL_TIMEOUT + C.SLACK, ev
+    # It waited for the stalled sender its timeout, and gave up within a second of that deadline (long
+    # before the sender's own timeout or the group's, 30 s, would have ended the sync).
+    assert STALL_TIMEOUT - 0.5 < ev["seconds"] < STALL_TIMEOUT + 1.0, ev
     assert "timeout" in ev["message"] or "Timed out" in ev["message"], ev
     assert ev["unchanged"] is True and ev["version"] == 1
     assert events[0]["stall"]["ok"] is False and events[0]["stall"]["error"] == "SyncError"
