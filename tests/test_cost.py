@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import doctest
 import importlib
 
@@ -22,13 +23,35 @@ def test_alpha_beta_arithmetic():
     t = Traffic.zeros(0)
     t.add_edges(np.array([0, 0, 3]), np.array([1, 2, 3]), np.array([1e9, 1e9, 5e9]), np.array([1, 1, 1]), topo)
     assert t.nvl_out[0] == 1e9 and t.net_out[0] == 1e9 and t.net_in[2] == 1e9 and t.nvl_in[1] == 1e9
-    assert len(t.net_out) == 3  # the local copy on device 3 is free: it adds no load
+    # The local copy on device 3 loads no link and sends no message: it is a copy only.
+    assert t.net_out[3] == t.net_in[3] == t.nvl_out[3] == t.msg_out[3] == t.msg_in[3] == 0 and t.copied[3] == 5e9
+    assert t.copied.tolist() == [2e9, 1e9, 1e9, 5e9]  # packed (sent), unpacked (received), or moved to itself
     p = cost.predict(t, topo)
     assert p.seconds == pytest.approx(1e9 / 10e9 + 2 * 1e-6)  # device 0: network send plus two messages
     assert p.bottleneck == "device 0 network send"
     assert (p.network_bytes, p.nvlink_bytes, p.max_network_in_bytes) == (int(1e9), int(1e9), int(1e9))
     both = p + p
     assert both.seconds == pytest.approx(2 * p.seconds) and both.stages == (p.seconds, p.seconds)
+
+
+def test_copies_are_charged_at_copy_GBps_after_the_links():
+    t = Traffic.zeros(0)
+    t.add_edges(np.array([0, 0, 3]), np.array([1, 2, 3]), np.array([1e9, 1e9, 5e9]), np.array([1, 1, 1]), TOPO)
+    free = cost.predict(t, TOPO)
+    assert free.seconds == pytest.approx(0.1)  # copies uncharged (copy_GBps=None): device 0's network send
+    slow = cost.predict(t, dataclasses.replace(TOPO, copy_GBps=20))
+    assert slow.seconds == pytest.approx(5e9 / 20e9)  # device 3's local copy (device 0: 0.1 + 2e9 / 20e9)
+    fast = cost.predict(t, dataclasses.replace(TOPO, copy_GBps=1000))
+    assert fast.seconds == pytest.approx(0.1 + 2e9 / 1000e9)  # device 0: its link, then packing its 2 GB
+    # Through a plan: device 0 packs 1000 bytes, devices 2 and 3 unpack 500 each.
+    src = Layout((1000,), Mesh([0], "x"), (), dtype="uint8")
+    dst = Layout((1000,), Mesh([2, 3], "tp"), ("tp",), dtype="uint8")
+    tr = cost.plan_traffic(jreshard.plan(src, dst), TOPO)
+    assert tr.copied.tolist() == [1000, 0, 500, 500]
+    # A device keeping its own shard copies it: replicated on [0, 1] -> sharded on [0, 1].
+    keep = cost.plan_traffic(jreshard.plan(Layout((8,), Mesh([0, 1], "x"), (), dtype="uint8"),
+                                           Layout((8,), Mesh([0, 1], "x"), ("x",), dtype="uint8")), TOPO)
+    assert keep.copied.tolist() == [4, 4] and keep.nvl_out.sum() == keep.net_out.sum() == 0
 
 
 def test_plan_prediction_coalesces_messages_per_pair():
@@ -135,6 +158,14 @@ def test_hardware_and_topology_errors():
                             "network_GBps_per_gpu_per_direction": 1})
     with pytest.raises(ValueError, match="neither a known name"):
         cost.load_hardware("abacus")
+    links = {"gpus_per_domain": 8, "nvlink_GBps_per_direction": 1, "network_GBps_per_gpu_per_direction": 1,
+             "latency_us": 1}
+    assert cost.load_hardware(links).copy_GBps is None  # optional: copies uncharged
+    assert Topology.from_hardware({**links, "copy_GBps": 5}).copy_GBps == 5.0
+    with pytest.raises(ValueError, match="'copy_GBps' must be a positive number"):
+        cost.load_hardware({**links, "copy_GBps": 0})
+    with pytest.raises(ValueError, match="copy_GBps must be positive, or None"):
+        Topology(gpus_per_domain=8, nvlink_GBps=1, network_GBps=1, latency_us=0, copy_GBps=-1)
     with pytest.raises(ValueError, match="network_GBps"):
         Topology(gpus_per_domain=8, nvlink_GBps=1, network_GBps=0, latency_us=0)
     with pytest.raises(ValueError, match="hierarchical"):

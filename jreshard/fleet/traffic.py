@@ -1,10 +1,12 @@
 """Per-device link loads and the alpha-beta prediction of one transfer.
 
 Every GPU has four independent links (network out/in, NVLink out/in); a move
-between two devices of one NVLink domain uses NVLink, any other the network, and
-local copies are free. A device's time is its busiest link's bytes over that
-link's bandwidth plus ``latency * messages``; a transfer takes as long as its
-slowest device. See ``docs/cost_model.md``.
+between two devices of one NVLink domain uses NVLink, any other the network. A
+device's time is its busiest link's bytes over that link's bandwidth plus
+``latency * messages``, plus, when the topology gives ``copy_GBps``, its local
+copies at that rate (one per byte it sends, packing; one per byte it receives,
+unpacking; one per byte moved to itself), which do not overlap its links. A
+transfer takes as long as its slowest device. See ``docs/cost_model.md``.
 
 Example:
   >>> import jreshard
@@ -17,6 +19,10 @@ Example:
   >>> p = predict_plan(jreshard.plan(src, dst), topo)
   >>> round(p.seconds * 1e9), p.network_bytes, p.nvlink_bytes  # 1000 bytes leave device 0 at 10 GB/s
   (100, 1000, 0)
+  >>> import dataclasses
+  >>> copies = dataclasses.replace(topo, copy_GBps=20)
+  >>> round(predict_plan(jreshard.plan(src, dst), copies).seconds * 1e9)  # device 0 also packs them: + 50 ns
+  150
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ __all__ = ["Traffic", "Prediction", "predict", "plan_traffic", "predict_plan", "
 
 @dataclasses.dataclass(slots=True)
 class Traffic:
-    """Per-device link loads: bytes and messages, indexed by device id."""
+    """Per-device link loads: bytes and messages, and bytes copied locally, indexed by device id."""
 
     net_out: np.ndarray
     net_in: np.ndarray
@@ -44,10 +50,11 @@ class Traffic:
     nvl_in: np.ndarray
     msg_out: np.ndarray
     msg_in: np.ndarray
+    copied: np.ndarray  # packed (sent), unpacked (received) and moved to itself
 
     @classmethod
     def zeros(cls, n: int) -> Traffic:
-        return cls(*(np.zeros(n) for _ in range(6)))
+        return cls(*(np.zeros(n) for _ in dataclasses.fields(cls)))
 
     def grow(self, n: int) -> None:
         for f in dataclasses.fields(self):
@@ -57,14 +64,18 @@ class Traffic:
 
     def add_edges(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, msgs: np.ndarray,
                   topo: Topology) -> None:
-        """Adds sends ``src -> dst`` of ``nbytes`` in ``msgs`` messages each (local ones are free)."""
+        """Adds sends ``src -> dst`` of ``nbytes`` in ``msgs`` messages each (local ones are copies only)."""
         src, dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
-        keep = src != dst
-        src, dst, nbytes, msgs = src[keep], dst[keep], np.asarray(nbytes, float)[keep], np.asarray(msgs, float)[keep]
         if not len(src):
             return
-        n = int(max(src.max(), dst.max())) + 1
-        self.grow(n)
+        self.grow(int(max(src.max(), dst.max())) + 1)
+        nbytes = np.asarray(nbytes, float)
+        keep = src != dst
+        self.copied += np.bincount(src, weights=nbytes, minlength=len(self.copied))  # packing, or the local copy
+        self.copied += np.bincount(dst[keep], weights=nbytes[keep], minlength=len(self.copied))  # unpacking
+        src, dst, nbytes, msgs = src[keep], dst[keep], nbytes[keep], np.asarray(msgs, float)[keep]
+        if not len(src):
+            return
         same = topo.domain(src) == topo.domain(dst)
         for out, inn, m in ((self.nvl_out, self.nvl_in, same), (self.net_out, self.net_in, ~same)):
             out += np.bincount(src[m], weights=nbytes[m], minlength=len(out))
@@ -108,6 +119,8 @@ def predict(traffic: Traffic, topo: Topology) -> Prediction:
     stack = np.stack(list(links.values()))
     busiest = stack.max(axis=0)
     per_device = busiest + topo.latency_us * 1e-6 * np.maximum(traffic.msg_out, traffic.msg_in)
+    if topo.copy_GBps is not None:
+        per_device = per_device + traffic.copied / (topo.copy_GBps * 1e9)
     d = int(np.argmax(per_device))
     link = list(links)[int(np.argmax(stack[:, d]))]
     return Prediction(float(per_device[d]), f"device {d} {link}", int(traffic.net_out.sum()),
@@ -120,6 +133,8 @@ def plan_traffic(p: Plan | TensorPlan, topo: Topology) -> Traffic:
     src, dst, nb, _ = p.move_arrays()
     traffic = Traffic.zeros(0)
     net = src != dst
+    if (~net).any():
+        traffic.add_edges(src[~net], dst[~net], nb[~net], np.zeros(int((~net).sum())), topo)
     src, dst, nb = src[net], dst[net], nb[net]
     if len(src):
         top = int(max(src.max(), dst.max())) + 1
