@@ -4,12 +4,12 @@ Setup: 2 JAX trainer processes (2 simulated CPU devices each, FSDP over 4) and 2
 inference ranks (TP2, vLLM-style fused qkv/gate_up, padded vocabulary), all on 127.0.0.1
 over gloo. The weights are float32 in JAX and bfloat16 on the inference ranks.
 
-  bridge     bridge.sender.Sender(checksum=True) -> bridge.Receiver (DLPack export, XLA
+  bridge     the defaults: bridge.sender.Sender -> bridge.Receiver (DLPack export, XLA
              cast/transpose, contiguous pieces sent and received in place, the rest packed;
-             xxh3 digests of every byte checked; atomic commit by copy on the receivers)
-  swap       the same with Receiver(swap=True): the atomic commit swaps storage (no copy)
-  lean       swap=True and the Sender's default, checksum=False: no digests and no commit copy,
-             so what is left over the floor is the protocol itself (votes, buckets, staging)
+             byte counts checked, no digests; atomic commit by copy on the receivers)
+  swap       the same with Receiver(swap=True): the atomic commit swaps storage (no copy), so
+             what is left over the floor is the protocol itself (votes, buckets, staging)
+  checksum   the defaults with Sender(checksum=True): xxh3 digests of every byte checked
   gather     what RL stacks do today: per tensor, gather the full tensor on trainer 0
              (a jitted all-gather to a replicated sharding), cast to bfloat16, broadcast it to
              every inference rank, each rank slicing its TP part
@@ -134,7 +134,7 @@ def worker(args) -> None:
     pairs = sorted({(t.src_rank, t.dst) for t in plan.moves})
     pair_bytes = {p: sum(t.nbytes for t in plan.moves if (t.src_rank, t.dst) == p) for p in pairs}
     raw = {p: torch.empty(n, dtype=torch.uint8) for p, n in pair_bytes.items() if rank in p}
-    times: dict[str, list[float]] = {k: [] for k in ("bridge", "swap", "lean", "gather", "raw", "floor", "rawb")}
+    times: dict[str, list[float]] = {k: [] for k in ("bridge", "swap", "checksum", "gather", "raw", "floor", "rawb")}
     # The copies the layout forces, as contiguous copies of as many bytes: the sender packs the
     # pieces not contiguous in its (cast, transposed) shards, the receiver unpacks those not
     # contiguous in its params (BridgePlan.segments tells which).
@@ -174,8 +174,8 @@ def worker(args) -> None:
         from bridge.sender import Sender
 
         mesh, params = _jax_params(args, src)
-        sender = Sender(plan, rank=rank, timeout=300, checksum=True)
-        unchecked = Sender(plan, rank=rank, timeout=300)  # the default: no digests
+        sender = Sender(plan, rank=rank, timeout=300)  # the defaults: no digests
+        checked = Sender(plan, rank=rank, timeout=300, checksum=True)
         wire = getattr(torch, plan.mapping.targets[0].dtype)
         replicate = jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, P()))
 
@@ -206,14 +206,15 @@ def worker(args) -> None:
         for rep in range(args.reps + 1):
             step = rep + 1
             tb = _timed(lambda step=step: sender.sync(params, version=step), args.profile and rep == args.reps)
+            default_stats = dict(sender.stats)
             ts = _timed(lambda step=step: sender.sync(params, version=step))
-            tl = _timed(lambda step=step: unchecked.sync(params, version=step))
+            tl = _timed(lambda step=step: checked.sync(params, version=step))
             tg = _timed(gather)
             tr = _timed(raw_p2p)
             tf = _timed(floor)
             trb = _timed(raw_bucketed)
             if rep:  # the first repetition warms up (jit compilation, buffers)
-                for k, t in (("bridge", tb), ("swap", ts), ("lean", tl), ("gather", tg), ("raw", tr), ("floor", tf),
+                for k, t in (("bridge", tb), ("swap", ts), ("checksum", tl), ("gather", tg), ("raw", tr), ("floor", tf),
                              ("rawb", trb)):
                     times[k].append(t)
     else:
@@ -243,18 +244,19 @@ def worker(args) -> None:
 
         for rep in range(args.reps + 1):
             tb = _timed(receiver.sync, args.profile and rep == args.reps)
+            default_stats = dict(receiver.stats)
             ts = _timed(swapper.sync)
-            tl = _timed(swapper.sync)
+            tl = _timed(receiver.sync)  # the senders announce digests: the receivers check them
             tg = _timed(gather)
             tr = _timed(raw_p2p)
             tf = _timed(floor)
             trb = _timed(raw_bucketed)
             if rep:
-                for k, t in (("bridge", tb), ("swap", ts), ("lean", tl), ("gather", tg), ("raw", tr), ("floor", tf),
+                for k, t in (("bridge", tb), ("swap", ts), ("checksum", tl), ("gather", tg), ("raw", tr), ("floor", tf),
                              ("rawb", trb)):
                     times[k].append(t)
         same = all(torch.equal(local[n], sliced[n]) and torch.equal(swapped[n], sliced[n]) for n in local)
-        _print_stats(rank, {"bridge": receiver.stats, "lean": swapper.stats})
+        _print_stats(rank, {"bridge": default_stats, "swap": swapper.stats, "checksum": receiver.stats})
         if rank == RECEIVERS[0]:
             out = {"times": times, "bridge_equals_gather": same, "network_bytes": plan.network_bytes,
                    "recv_bytes": plan.rank_bytes()["recv"], "buckets": plan.num_buckets,
@@ -262,7 +264,7 @@ def worker(args) -> None:
                    "transfers": len(plan.transfers), "messages": len(plan.messages)}
             print("RESULT " + json.dumps(out), flush=True)
     if rank in TRAINERS:
-        _print_stats(rank, {"bridge": sender.stats, "lean": unchecked.stats})
+        _print_stats(rank, {"bridge": default_stats, "swap": sender.stats, "checksum": checked.stats})
     dist.barrier()
     if rank in TRAINERS:
         os._exit(0)  # skip the JAX coordination shutdown barrier
@@ -442,7 +444,7 @@ def _breakdown(stats: list[dict]) -> None:
     for row in sorted(stats, key=lambda r: r["rank"]):
         for what, st in sorted(row["stats"].items()):
             cells = "  ".join(f"{k} {st.get(k, 0.0) * 1e3:7.1f}" for k in STEPS)
-            print(f"  rank {row['rank']} {what:<7} total {st['seconds'] * 1e3:7.1f}  {cells}  "
+            print(f"  rank {row['rank']} {what:<8} total {st['seconds'] * 1e3:7.1f}  {cells}  "
                   f"(cross-node sent {st['cross_domain_sent'] / 1e6:.1f} MB, received "
                   f"{st['cross_domain_received'] / 1e6:.1f} MB)")
 
@@ -478,7 +480,8 @@ def _report(args, res) -> None:
           f"{res['transfers']} boxes in {res['messages']} messages; bridge result == gather result: "
           f"{res['bridge_equals_gather']}")
     print(f"repetitions: {args.reps} (after one warm-up), medians:")
-    for k, label in (("bridge", "bridge"), ("swap", "bridge, swap=True"), ("lean", "swap=True, checksum=False"),
+    for k, label in (("bridge", "bridge (defaults)"), ("swap", "bridge, swap=True"),
+                     ("checksum", "bridge, checksum=True"),
                      ("gather", "gather-then-broadcast"),
                      ("raw", "raw p2p, same bytes"), ("floor", "floor: layout work + raw"),
                      ("rawb", "raw p2p in the bridge's buckets")):
@@ -491,7 +494,7 @@ def _report(args, res) -> None:
     print(f"raw p2p in the bridge's buckets: {med['raw'] / med['rawb'] * 100:.0f}% of raw p2p in one batch")
     print(f"floor (the layout work, then raw p2p, in sequence): {med['raw'] / med['floor'] * 100:.0f}% of raw p2p; "
           f"bridge time / floor time = {med['bridge'] / med['floor']:.2f} (swap=True {med['swap'] / med['floor']:.2f}, "
-          f"swap=True without checksums {med['lean'] / med['floor']:.2f}; goal <= 1.25)")
+          f"checksum=True {med['checksum'] / med['floor']:.2f}; goal <= 1.25)")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,9 @@ Protocol of one sync, every rank of the group taking part:
    there; a piece contiguous in the receiver's param is received straight into
    it; the other pieces travel packed, runs of them as one operation. Bucket buffers
    come from two arenas per side, so the sender packs bucket b+1 while bucket b is on
-   the wire and the receiver checks and unpacks bucket b while bucket b+1 arrives. Receivers
+   the wire and the receiver checks and unpacks bucket b while bucket b+1 arrives. The vote
+   on bucket b+1 travels while bucket b is on the wire (except a vote that carries digests,
+   cast once they are computed), and is counted once bucket b arrived. Receivers
    check every piece's digest before unpacking it and report a mismatch in the next vote
    (that of bucket b+2, or the final ack).
 4. Final ack: the vote after the last bucket; receivers commit only when every rank
@@ -93,6 +95,13 @@ class _Bucket(NamedTuple):
     rbufs: list[torch.Tensor]
     sends: list[tuple[Message, list[torch.Tensor]]]
     rtensors: list[list[torch.Tensor]]
+
+
+class _Ballot(NamedTuple):
+    """A vote posted and not yet waited for: the ``all_gather``'s work and the table it fills."""
+
+    work: Any
+    table: list[torch.Tensor]
 
 
 class SyncError(RuntimeError):
@@ -358,13 +367,19 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
         except RuntimeError as e:  # gloo fails at once when a peer's connection is already closed
             raise SyncError(f"rank {rank}: posting bucket {b + 1}/{plan.num_buckets} failed: {e}") from e
 
-    def vote(b: int, state: _Bucket | None, mine: Status, sums: Future | None) -> dict[tuple[int, int], int]:
+    def cast(b: int, state: _Bucket | None, mine: Status, sums: Future | None) -> _Ballot:
+        """Posts this rank's row of the vote on bucket ``b`` (``nb``: the final ack); ``count`` waits for it."""
         length = _vote.row_length(plan, b, ranks)
         row = _vote.make_row(plan, b, length, mine, state.sends if state is not None else [], checksum,
                              sums.result() if sums is not None else None)
         table = [torch.empty_like(row) for _ in ranks]
+        return _Ballot(dist.all_gather(table, row, group=group, async_op=True), table)
+
+    def count(b: int, ballot: _Ballot) -> dict[tuple[int, int], int]:
+        """Waits for the vote on bucket ``b``; raises the verdict's SyncError, else returns the digests announced."""
+        table = ballot.table
         what = f"the vote on bucket {b + 1}/{nb}" if b < nb else "the final ack"
-        _wait(dist.all_gather(table, row, group=group, async_op=True), deadline, what, rank)
+        _wait(ballot.work, deadline, what, rank)
         if b == nb and time.monotonic() > deadline - min(0.5, 0.05 * timeout):
             # The others give up at the deadline: committing now could leave receivers on different versions.
             raise SyncError(f"rank {rank}: the final ack completed at the sync's deadline, when other ranks may "
@@ -448,10 +463,15 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
                     mine = failed(b, e)
             if nxt is not None and hasher is not None and nxt.sends:
                 sums = hasher.submit(_vote.send_digests, plan, nxt.sends, True)
+            # The vote on bucket b travels while bucket b-1 is on the wire. Not the final ack, which
+            # announces the check and unpacking of the last bucket, nor a vote that carries digests
+            # (computed in the hasher thread meanwhile).
+            early = timed("vote", cast, b, nxt, mine, sums) if b < nb and sums is None else None
             timed("wait", wait_all, works, cur, b)
             if b == nb:  # the last bucket is checked and unpacked before the final ack, which announces a failure
                 mine = finish(cur, b - 1, mine, expected)
-            new_expected = timed("vote", vote, b, nxt, mine, sums)
+            ballot = early if early is not None else timed("vote", cast, b, nxt, mine, sums)
+            new_expected = timed("vote", count, b, ballot)
             works = timed("post", post, nxt, b) if nxt is not None else []
             if b < nb:
                 mine = finish(cur, b - 1, mine, expected)
