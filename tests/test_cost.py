@@ -23,9 +23,8 @@ def test_alpha_beta_arithmetic():
     t = Traffic.zeros(0)
     t.add_edges(np.array([0, 0, 3]), np.array([1, 2, 3]), np.array([1e9, 1e9, 5e9]), np.array([1, 1, 1]), topo)
     assert t.nvl_out[0] == 1e9 and t.net_out[0] == 1e9 and t.net_in[2] == 1e9 and t.nvl_in[1] == 1e9
-    # The local copy on device 3 loads no link and sends no message: it is a copy only.
-    assert t.net_out[3] == t.net_in[3] == t.nvl_out[3] == t.msg_out[3] == t.msg_in[3] == 0 and t.copied[3] == 5e9
-    assert t.copied.tolist() == [2e9, 1e9, 1e9, 5e9]  # packed (sent), unpacked (received), or moved to itself
+    # The local copy on device 3 loads no link and sends no message (nor copies: copies=False).
+    assert t.net_out[3] == t.net_in[3] == t.nvl_out[3] == t.msg_out[3] == t.msg_in[3] == t.copied.sum() == 0
     p = cost.predict(t, topo)
     assert p.seconds == pytest.approx(1e9 / 10e9 + 2 * 1e-6)  # device 0: network send plus two messages
     assert p.bottleneck == "device 0 network send"
@@ -36,7 +35,9 @@ def test_alpha_beta_arithmetic():
 
 def test_copies_are_charged_at_copy_GBps_after_the_links():
     t = Traffic.zeros(0)
-    t.add_edges(np.array([0, 0, 3]), np.array([1, 2, 3]), np.array([1e9, 1e9, 5e9]), np.array([1, 1, 1]), TOPO)
+    t.add_edges(np.array([0, 0, 3]), np.array([1, 2, 3]), np.array([1e9, 1e9, 5e9]), np.array([1, 1, 1]), TOPO,
+                copies=True)
+    assert t.copied.tolist() == [2e9, 1e9, 1e9, 5e9]  # packed (sent), unpacked (received), or moved to itself
     free = cost.predict(t, TOPO)
     assert free.seconds == pytest.approx(0.1)  # copies uncharged (copy_GBps=None): device 0's network send
     slow = cost.predict(t, dataclasses.replace(TOPO, copy_GBps=20))
@@ -52,6 +53,11 @@ def test_copies_are_charged_at_copy_GBps_after_the_links():
     keep = cost.plan_traffic(jreshard.plan(Layout((8,), Mesh([0, 1], "x"), (), dtype="uint8"),
                                            Layout((8,), Mesh([0, 1], "x"), ("x",), dtype="uint8")), TOPO)
     assert keep.copied.tolist() == [4, 4] and keep.nvl_out.sum() == keep.net_out.sum() == 0
+    # Gather-then-broadcast writes into the tensors (one collective each): no copies charged.
+    src2 = {"w": Layout((1000,), Mesh([0, 1], "tp"), ("tp",), dtype="uint8")}
+    dst2 = {"w": Layout((1000,), Mesh([2, 3], "dp"), (), dtype="uint8")}
+    assert cost.gather_broadcast(src2, dst2, dataclasses.replace(TOPO, copy_GBps=1e-3)) == cost.gather_broadcast(
+        src2, dst2, TOPO)
 
 
 def test_plan_prediction_coalesces_messages_per_pair():

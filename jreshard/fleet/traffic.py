@@ -63,16 +63,22 @@ class Traffic:
                 setattr(self, f.name, np.concatenate([a, np.zeros(n - len(a))]))
 
     def add_edges(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, msgs: np.ndarray,
-                  topo: Topology) -> None:
-        """Adds sends ``src -> dst`` of ``nbytes`` in ``msgs`` messages each (local ones are copies only)."""
+                  topo: Topology, *, copies: bool = False) -> None:
+        """Adds sends ``src -> dst`` of ``nbytes`` in ``msgs`` messages each (local ones load no link).
+
+        ``copies``: the sends are packed and unpacked (jreshard's executors), so each byte is
+        also copied once at its sender and once at its receiver, a local one once; collectives
+        that write into the tensors themselves (the baselines) pass ``False``.
+        """
         src, dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
         if not len(src):
             return
         self.grow(int(max(src.max(), dst.max())) + 1)
         nbytes = np.asarray(nbytes, float)
         keep = src != dst
-        self.copied += np.bincount(src, weights=nbytes, minlength=len(self.copied))  # packing, or the local copy
-        self.copied += np.bincount(dst[keep], weights=nbytes[keep], minlength=len(self.copied))  # unpacking
+        if copies:
+            self.copied += np.bincount(src, weights=nbytes, minlength=len(self.copied))  # packing, or the local copy
+            self.copied += np.bincount(dst[keep], weights=nbytes[keep], minlength=len(self.copied))  # unpacking
         src, dst, nbytes, msgs = src[keep], dst[keep], nbytes[keep], np.asarray(msgs, float)[keep]
         if not len(src):
             return
@@ -129,19 +135,19 @@ def predict(traffic: Traffic, topo: Topology) -> Prediction:
 
 
 def plan_traffic(p: Plan | TensorPlan, topo: Topology) -> Traffic:
-    """Per-device loads of a plan, its sends coalesced per (sender, receiver) pair."""
+    """Per-device loads of a plan, its sends coalesced per (sender, receiver) pair, packed and unpacked."""
     src, dst, nb, _ = p.move_arrays()
     traffic = Traffic.zeros(0)
     net = src != dst
     if (~net).any():
-        traffic.add_edges(src[~net], dst[~net], nb[~net], np.zeros(int((~net).sum())), topo)
+        traffic.add_edges(src[~net], dst[~net], nb[~net], np.zeros(int((~net).sum())), topo, copies=True)
     src, dst, nb = src[net], dst[net], nb[net]
     if len(src):
         top = int(max(src.max(), dst.max())) + 1
         pair_bytes = np.bincount(src * top + dst, weights=nb)
         pairs = np.nonzero(pair_bytes)[0]
         b = pair_bytes[pairs]
-        traffic.add_edges(pairs // top, pairs % top, b, np.ceil(b / topo.bucket_bytes), topo)
+        traffic.add_edges(pairs // top, pairs % top, b, np.ceil(b / topo.bucket_bytes), topo, copies=True)
     return traffic
 
 
