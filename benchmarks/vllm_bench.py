@@ -230,7 +230,7 @@ def live(args: argparse.Namespace) -> None:
     for v in range(2, 2 + args.reps):
         t0 = time.perf_counter()
         report = sync.sync(params, v)
-        runs["jreshard"].append({"total": time.perf_counter() - t0, "send": report.seconds[0]["send"],
+        runs["jreshard"].append({"total": time.perf_counter() - t0, **report.seconds[0],
                                  "workers": [report.seconds[r] for r in sorted(report.bytes_received)]})
         runs["nccl-like"].append(baseline())
     after_baseline = greedy()
@@ -254,9 +254,12 @@ def live(args: argparse.Namespace) -> None:
 
     jp, bp = med("jreshard", "process", True), med("nccl-like", "process", True)
     print("\nWhere the time goes (seconds, medians; worker phases: the slowest worker):")
-    print(f"  jreshard   trainer send {med('jreshard', 'send'):.3f} (wire handshake, pack, transfer); workers: "
-          f"receive {med('jreshard', 'receive', True):.3f} (of which staging copies "
-          f"{med('jreshard', 'unpack', True):.3f}), commit {med('jreshard', 'commit', True):.3f} "
+    steps = ("handshake", "pack", "vote", "post", "wait")
+    print(f"  jreshard   trainer send {med('jreshard', 'send'):.3f} (wire: "
+          + ", ".join(f"{k} {med('jreshard', k):.3f}" for k in steps) + "; pack includes XLA's transposes)")
+    print(f"             workers: receive {med('jreshard', 'receive', True):.3f} (wire: "
+          + ", ".join(f"{k} {med('jreshard', k, True):.3f}" for k in steps if k != "pack")
+          + f"; staging copies {med('jreshard', 'unpack', True):.3f}), commit {med('jreshard', 'commit', True):.3f} "
           f"(of which vLLM post-load processing {jp:.3f}); the rest (phase calls, reports) "
           f"{j - med('jreshard', 'send') - med('jreshard', 'commit', True):.3f}")
     print(f"  nccl-like  trainer gather {med('nccl-like', 'gather'):.3f}, broadcasts {med('nccl-like', 'send'):.3f}; "

@@ -21,9 +21,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-__all__ = ["open_group", "close_group", "all_gather_json", "all_gather_ints"]
+__all__ = ["open_group", "close_group", "all_gather_json", "all_gather_ints", "wire_seconds"]
 
 _STORES: dict[dist.ProcessGroup, dist.TCPStore] = {}
+
+# The wire's steps a rank reports per sync (``bridge._wire.run_sync``'s stats, in seconds).
+_WIRE_STEPS = ("handshake", "pack", "vote", "post", "wait")
+
+
+def wire_seconds(stats: dict[str, float]) -> dict[str, float]:
+    """The seconds a ``Sender``'s or ``Receiver``'s last sync spent in each wire step, as a sync reports them."""
+    return {k: float(stats.get(k, 0.0)) for k in _WIRE_STEPS}
 
 
 def open_group(host: str, port: int, rank: int, world_size: int, *, timeout: float,

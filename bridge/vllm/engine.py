@@ -43,7 +43,7 @@ from bridge._wire import SyncError, torch_dtype
 from bridge.receiver import Receiver
 from bridge.vllm._agree import plan_from_hellos
 from bridge.vllm._fp8 import fp8_hello
-from bridge.vllm._group import all_gather_json, close_group, open_group
+from bridge.vllm._group import all_gather_json, close_group, open_group, wire_seconds
 from bridge.vllm._handshake import PROTOCOL, Target
 from bridge.vllm._model import live_targets, torch_dtype_name, write_layers
 
@@ -94,10 +94,35 @@ class CountingReceiver(Receiver):
         self.bytes_received, self.unpack_seconds = 0, 0.0
         return super().sync(group)
 
-    def renew(self, names: Iterable[str]) -> None:
-        """New tensors for ``names``, whose old ones the model adopted (every element is written by each sync)."""
+    def renew(self, names: Iterable[str]) -> list[str]:
+        """New tensors for those of ``names`` whose storage the model still holds; returns their names.
+
+        A param the model adopted (``write_layers``) is written whole by every sync. When the
+        layer's processing kept it (a GPU weight, an embedding), the next sync needs new
+        storage; when processing only read it (vLLM's CPU backend packs linear weights into
+        oneDNN's own memory and empties the parameter), nothing else holds it, and reusing it
+        spares the next sync fresh pages (their first touch costs more than the copy itself).
+        """
+        renewed = []
         for name in names:
-            self.params[name] = torch.empty_like(self.params[name])
+            # The Receiver keeps the tensor it was given beside its data (for swapping commits, which
+            # this receiver does not make): one tensor per storage here, so that only others count.
+            self._owners[name] = self.params[name]
+            if _shared(self.params[name]):
+                self.params[name] = self._owners[name] = torch.empty_like(self.params[name])
+                renewed.append(name)
+        return renewed
+
+
+def _use_count(t: torch.Tensor) -> int:
+    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+
+
+def _shared(t: torch.Tensor) -> bool:
+    """Whether a tensor other than ``t`` (a view, a Parameter, a kernel's saved tensor) holds its storage."""
+    if not hasattr(torch._C, "_storage_Use_Count"):
+        return True  # cannot tell: assume the model holds it
+    return _use_count(t) > _use_count(torch.empty(1, dtype=t.dtype, device=t.device))
 
 
 class JReshardEngine(WeightTransferEngine[JReshardInitInfo, JReshardUpdateInfo]):
@@ -169,7 +194,8 @@ class JReshardEngine(WeightTransferEngine[JReshardInitInfo, JReshardUpdateInfo])
         except SyncError as e:  # every rank of the group fails this sync; the model is untouched
             self._fail(f"receiving version {update_info.version}", e)
             return
-        seconds = {"receive": time.perf_counter() - t0, "unpack": self.receiver.unpack_seconds}
+        seconds = {"receive": time.perf_counter() - t0, "unpack": self.receiver.unpack_seconds,
+                   **wire_seconds(self.receiver.stats)}
         error = None
         if version != update_info.version:
             error = f"the trainers sent version {version}, but update_weights announced {update_info.version}"
@@ -177,8 +203,10 @@ class JReshardEngine(WeightTransferEngine[JReshardInitInfo, JReshardUpdateInfo])
             try:
                 t0 = time.perf_counter()
                 commit = write_layers(self.model, self.receiver.params, adopt=self._adoptable)
-                self.receiver.renew(commit.adopted)
+                renewed = self.receiver.renew(commit.adopted)
                 seconds.update(commit=time.perf_counter() - t0, process=commit.process_seconds)
+                log.debug("jreshard: rank %d: the model adopted %d tensors and kept %d of them", self.rank,
+                          len(commit.adopted), len(renewed))
             except Exception as e:
                 error = f"committing version {version} failed: {type(e).__name__}: {e}"
         if self._agree(error, "the commit report", version=version, bytes_received=self.receiver.bytes_received,

@@ -27,7 +27,7 @@ from bridge._plan import BridgePlan
 from bridge._wire import PlanMismatchError, SyncError
 from bridge.sender import Sender, describe
 from bridge.vllm._agree import agree
-from bridge.vllm._group import all_gather_json, close_group, open_group
+from bridge.vllm._group import all_gather_json, close_group, open_group, wire_seconds
 from bridge.vllm._handshake import PROTOCOL, Recipe, source_to_data
 
 __all__ = ["VLLMWeightSync", "SyncReport"]
@@ -46,6 +46,9 @@ class SyncReport:
         ``Sender.sync``, wire handshake included); a worker's ``receive`` (its ``Receiver.sync``),
         of which ``unpack`` (copies from bucket buffers into staging), and ``commit`` (the
         staging tensors entering the model), of which ``process`` (vLLM's post-load processing).
+        Every rank also reports the wire's steps (``handshake``, ``pack``, ``vote``, ``post``,
+        ``wait``; see ``bridge._wire.run_sync``): a trainer's ``pack`` includes XLA's casts and
+        transposes, a worker's ``vote`` and ``wait`` its time waiting for the trainers.
     """
 
     version: int
@@ -173,7 +176,7 @@ class VLLMWeightSync:
                 update = self._call("update_weights", {"version": version})
             t0 = time.perf_counter()
             self.sender.sync(params, version, group=self.group)
-            seconds = {"send": time.perf_counter() - t0}
+            seconds = {"send": time.perf_counter() - t0, **wire_seconds(self.sender.stats)}
             rows = all_gather_json({"rank": self.rank, "error": None, "seconds": seconds}, self.group,
                                    timeout=self.timeout, what="the commit report")
             _raise_worker_errors(rows, f"committing version {version}")

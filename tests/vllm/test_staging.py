@@ -1,0 +1,42 @@
+"""The worker's staging tensors after a commit: reused where the model let go of them, renewed where it kept them."""
+
+from __future__ import annotations
+
+import torch
+
+from bridge import BridgePlan, Source, trainer_mesh
+from bridge.vllm._handshake import EngineShape, Recipe, build_param_map
+from bridge.vllm.engine import CountingReceiver, _shared
+from jreshard.nn import LlamaConfig, fsdp_spec, param_shapes
+
+
+def test_shared_sees_every_other_holder_of_the_storage():
+    t = torch.zeros(4, 3)
+    assert not _shared(t)
+    view = t[1:]
+    assert _shared(t)
+    del view
+    assert not _shared(t)
+    layer = torch.nn.Linear(3, 4, bias=False)
+    layer.weight.data = t  # what write_layers does with an adopted tensor
+    assert _shared(t)
+    layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)  # vLLM's CPU packing empties it
+    assert not _shared(t)
+    kept = t.detach()  # a kernel that saved the weight (a closure, a C++ op holding the tensor)
+    assert _shared(t)
+    del kept
+
+
+def test_renew_replaces_only_the_tensors_the_model_still_holds():
+    cfg = LlamaConfig.load("llama-tiny", num_hidden_layers=1)
+    src = Source.build(param_shapes(cfg), trainer_mesh((2,), "fsdp", [0], 2), fsdp_spec)
+    param_map = build_param_map(src, Recipe.llama(cfg), EngineShape(((1,),), False, "float32"))
+    receiver = CountingReceiver(BridgePlan(src, param_map), {p.name: torch.zeros(p.shape) for p in
+                                                             param_map.for_rank(1)}, rank=1, atomic=False)
+    kept, dropped = "model.embed_tokens.weight", "model.layers.0.self_attn.qkv_proj.weight"
+    before = {n: receiver.params[n] for n in (kept, dropped)}
+    holder = torch.nn.Parameter(before[kept], requires_grad=False)  # the embedding layer keeps its weight
+    assert receiver.renew([kept, dropped]) == [kept]
+    assert receiver.params[kept] is not before[kept] and receiver.params[kept].shape == before[kept].shape
+    assert receiver.params[dropped] is before[dropped]  # reused by the next sync: no fresh pages
+    assert holder.data_ptr() == before[kept].data_ptr()  # the model's weights are never written by a sync
