@@ -1,13 +1,15 @@
-"""Per-bucket votes: what every rank announces before a bucket's payload moves (torch, never jax).
+"""Votes: what every rank announces before a bucket's payload moves (torch, never jax).
 
-Before the payload of bucket ``b`` is posted, every rank contributes one fixed-length
-int64 row to an ``all_gather`` (the vote): its status (ok, or what failed on it and
-where), and, for every segment it sends in ``b``, the byte count it is about to send,
-then an xxh3-64 digest of every piece. Every rank then reaches the same verdict from
-the same table:
+Before the payload of a voted bucket ``b`` is posted (every bucket when digests are on,
+else every ``bridge._wire.vote_every(plan)`` buckets, then the final ack), every rank
+contributes one fixed-length int64 row to an ``all_gather`` (the vote): its status (ok,
+or what failed on it and where, in this bucket or since the last vote), and, for every
+segment it sends in ``b``, the byte count it is about to send, then an xxh3-64 digest of
+every piece. Every rank then reaches the same verdict from the same table:
 
-* a rank reported a failure (an exception while packing or unpacking, corrupt data
-  in an earlier bucket): every rank raises ``SyncError`` naming it;
+* a rank reported a failure (an exception while packing or unpacking, a message of the
+  wrong size found by its sender, corrupt data in an earlier bucket): every rank raises
+  ``SyncError`` naming it, the bucket and, for a size or checksum failure, the tensor;
 * a sender's byte count differs from the plan's: every rank raises ``SyncError``
   naming the sender, the bucket and the tensor, and no payload of the bucket is
   posted, so a wrong-size message never reaches gloo (which would abort the process);
@@ -189,6 +191,6 @@ def describe(plan: BridgePlan, rank: int, failure: Failure) -> str:
                 "usable: retry the sync.")
     if s.code == Code.SIZE:
         return (f"rank {rank}: sender rank {who} would send a message of the wrong size to rank {s.peer} in "
-                f"{where}{piece}: {s.text}; nothing was sent or committed. Run one bridge version and one plan "
-                "on every rank.")
+                f"{where}{piece}: {s.text}; that message was not sent and nothing was committed. Run one bridge "
+                "version and one plan on every rank.")
     return f"rank {rank}: rank {who} failed in {where}: {s.text}; nothing was committed."

@@ -3,21 +3,26 @@
 Protocol of one sync, every rank of the group taking part:
 
 1. Handshake: one ``all_gather`` of a small int64 header per rank (magic, role,
-   status, version, the plan's 32-byte fingerprint). A rank whose own checks
-   failed sends a non-zero status; fingerprints or versions that differ raise
-   ``PlanMismatchError`` on every rank before any data moves. On a fingerprint
+   status, version, whether it asks for digests, the plan's 32-byte fingerprint). A rank
+   whose own checks failed sends a non-zero status; fingerprints or versions that differ
+   raise ``PlanMismatchError`` on every rank before any data moves. On a fingerprint
    mismatch the ranks also exchange what their fingerprints cover (JSON text,
-   ``bridge._plan_key``), so the error says what differs.
-2. Votes: before each bucket's payload moves, one ``all_gather`` of a fixed-length
-   int64 row per rank (``bridge._vote``): the rank's status (an exception while
-   packing or unpacking, a checksum mismatch found in an earlier bucket), the byte
-   count of every segment it is about to send and an xxh3-64 digest of every piece.
-   Every rank reaches the same verdict from the same table; on a failure or a byte
-   count that differs from the plan every rank raises ``SyncError`` naming the rank,
-   the bucket and the tensor, before any payload of the bucket is posted, so a
-   wrong-size message never reaches gloo and the group stays usable. A sender whose
-   ``pack`` gives more or fewer tensors than the message's planned segments votes the
-   same wrong-size failure instead of posting them.
+   ``bridge._plan_key``), so the error says what differs. When any rank asks for digests
+   (``Sender(checksum=True)``), every rank announces them and votes on every bucket.
+2. Votes: before the payload of a voted bucket moves, one ``all_gather`` of a fixed-length
+   int64 row per rank (``bridge._vote``): the rank's status (an exception while packing
+   or unpacking, a message of the wrong size, a checksum mismatch found in an earlier
+   bucket), the byte count of every segment it is about to send and, with digests, an
+   xxh3-64 digest of every piece. Every bucket is voted with digests; without, every
+   ``vote_every(plan)`` buckets (``VOTE_BYTES`` per rank between votes). Every rank
+   reaches the same verdict from the same table; on a failure or a byte count that
+   differs from the plan every rank raises ``SyncError`` naming the rank, the bucket and
+   the tensor, before any payload of the bucket is posted, and the group stays usable.
+   A wrong-size message never reaches gloo: each sender checks its ``pack``'s tensors
+   against the plan's segments (count and bytes) before posting them and reports a
+   mismatch as a failure. A rank that failed between votes keeps sending and receiving
+   staging bytes of the planned sizes, so its peers' operations match, unpacks nothing
+   and announces the failure (naming its bucket) in the next vote.
 3. Buckets: per bucket every rank posts one ``batch_isend_irecv``: per peer, one
    operation per segment of the message (``BridgePlan.segments``). Each piece starts
    at a 64-byte-aligned offset of the message and is laid out C-contiguous in the
@@ -73,6 +78,7 @@ __all__ = ["SyncError", "PlanMismatchError", "init_group", "rebuild_group", "run
 log = logging.getLogger("bridge")
 
 MAGIC = 0x6A72_6573  # "jres"
+VOTE_BYTES = 1 << 30  # without digests, a vote before at most this many bytes of buckets per rank
 SENDER, RECEIVER = 1, 2
 
 TORCH_DTYPES = {name: getattr(torch, name) for name in WIRE_DTYPES}
@@ -193,9 +199,9 @@ def _group_ranks(group: dist.ProcessGroup | None) -> list[int]:
     return dist.get_process_group_ranks(dist.group.WORLD)
 
 
-def _header(role: int, status: int, version: int, fingerprint: bytes) -> torch.Tensor:
+def _header(role: int, status: int, version: int, digests: bool, fingerprint: bytes) -> torch.Tensor:
     fp = np.frombuffer(fingerprint, dtype=np.int64)
-    return torch.tensor([MAGIC, role, status, version, *fp.tolist()], dtype=torch.int64)
+    return torch.tensor([MAGIC, role, status, version, int(digests), *fp.tolist()], dtype=torch.int64)
 
 
 def _wait(work, deadline: float, what: str, rank: int) -> None:
@@ -212,8 +218,9 @@ def _wait(work, deadline: float, what: str, rank: int) -> None:
 
 
 def _handshake(plan: BridgePlan, rank: int, ranks: list[int], group, role: int, status: int, version: int,
-               deadline: float) -> int:
-    mine = _header(role, status, version, plan.fingerprint)
+               digests: bool, deadline: float) -> tuple[int, bool]:
+    """Returns the agreed version and whether any rank asked for digests (then every rank announces them)."""
+    mine = _header(role, status, version, digests, plan.fingerprint)
     out = [torch.empty_like(mine) for _ in ranks]
     _wait(dist.all_gather(out, mine, group=group, async_op=True), deadline, "the handshake", rank)
     rows = {r: t.tolist() for r, t in zip(ranks, out, strict=True)}
@@ -225,7 +232,7 @@ def _handshake(plan: BridgePlan, rank: int, ranks: list[int], group, role: int, 
         raise SyncError(f"rank {rank}: ranks {failed} rejected the sync before any data moved; see their errors.")
     prints: dict[bytes, list[int]] = {}
     for r, h in rows.items():
-        prints.setdefault(np.array(h[4:], dtype=np.int64).tobytes(), []).append(r)
+        prints.setdefault(np.array(h[5:], dtype=np.int64).tobytes(), []).append(r)
     if len(prints) > 1:
         groups = "; ".join(f"ranks {rs}: {fp.hex()[:16]}" for fp, rs in prints.items())
         keys = _exchange_keys(plan, rank, ranks, group, deadline)
@@ -247,7 +254,7 @@ def _handshake(plan: BridgePlan, rank: int, ranks: list[int], group, role: int, 
     for r in plan.param_map.ranks:
         if roles.get(r) != RECEIVER:
             raise PlanMismatchError(f"rank {rank}: rank {r} has params but did not join as a receiver.")
-    return versions.pop()
+    return versions.pop(), any(h[4] for h in rows.values())
 
 
 def _ranks_like(prints: dict[bytes, list[int]], r: int) -> list[int]:
@@ -283,7 +290,7 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
              ready_timeout: float, pack: Callable[[Message, torch.Tensor], list[torch.Tensor]],
              recv: Callable[[Message, torch.Tensor], list[torch.Tensor]],
              unpack: Callable[[Message, torch.Tensor], None], progress: bool | None = None,
-             device: torch.device | str = "cpu", arena: list | None = None, checksum: bool = True,
+             device: torch.device | str = "cpu", arena: list | None = None, checksum: bool = False,
              stats: dict[str, float] | None = None) -> int:
     """Runs the protocol for one rank; returns the agreed version. Raises SyncError on any failure.
 
@@ -293,7 +300,9 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
     Staging buffers live on ``device`` (the parameters' device: CUDA with NCCL, CPU with gloo);
     pass the same ``arena`` (``[[None, None], [None, None]]``) to every sync to reuse them.
     ``timeout`` bounds everything after the handshake (every bucket and the final ack) as one
-    deadline; ``checksum`` makes this rank announce a digest of every piece it sends.
+    deadline. ``checksum``: this rank asks for digests; when any rank asks (the handshake tells),
+    every rank announces a digest of every piece it sends and votes on every bucket, otherwise
+    the ranks vote every ``vote_every(plan)`` buckets and in the final ack.
 
     In a two-stage plan (``plan.stage2_bucket``) inference ranks also send: before packing the
     first stage-2 bucket every rank waits for and unpacks the last stage-1 bucket, so what a
@@ -319,7 +328,9 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
         stats.clear()
         stats.update(tally)
         tally = stats
-    version = _handshake(plan, rank, ranks, group, role, status, version, time.monotonic() + ready_timeout)
+    version, checksum = _handshake(plan, rank, ranks, group, role, status, version, checksum,
+                                   time.monotonic() + ready_timeout)
+    every = 1 if checksum else vote_every(plan)
     deadline = time.monotonic() + timeout
     tally["handshake"] = time.perf_counter() - start
     home = plan.domain_of(rank)
@@ -343,7 +354,7 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
         packed = []
         for m, buf in zip(sends, buffers(0, b, sends), strict=True):
             xs = pack(m, buf)
-            _check_count(plan, m, xs)
+            _check_sizes(plan, m, xs)
             packed.append((m, xs))
             ops += [_Op(dist.isend, m.dst, x) for x in xs]
         rbufs = buffers(1, b, recvs)
@@ -353,6 +364,16 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
             rtensors.append(xs)
             ops += [_Op(dist.irecv, m.src, x) for x in xs]
         return _Bucket(ops, recvs, rbufs, packed, rtensors)
+
+    def scratch(b: int) -> _Bucket:
+        """Bucket ``b`` of a rank that failed earlier, with no vote to announce it before the payload:
+        staging bytes of the planned sizes are sent and received (its peers post the same operations
+        for the bucket, and a wrong-size message never reaches gloo); nothing is unpacked."""
+        ops: list[_Op] = []
+        for kind, fn, msgs in ((0, dist.isend, plan.sends(rank, b)), (1, dist.irecv, plan.recvs(rank, b))):
+            for m, buf in zip(msgs, buffers(kind, b, msgs), strict=True):
+                ops += [_Op(fn, m.dst if kind == 0 else m.src, buf[s.start:s.stop]) for s in plan.segments(m)]
+        return _Bucket(ops, [], [], [], [])
 
     def post(state: _Bucket, b: int) -> list:
         ops = [dist.P2POp(op.fn, op.buf, op.peer, group) for op in state.ops]
@@ -454,24 +475,29 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
                 mine = finish(cur, b - 1, mine, expected)
                 cur, works = None, []
             nxt, sums = None, None
+            voting = b == nb or every == 1 or (b > 0 and b % every == 0)
             if b < nb and mine.code == Code.OK:
                 try:
                     nxt = timed("pack", prepare, b)
-                except _WrongCount as e:  # announced in this bucket's vote as a wrong-size message
+                except _WrongCount as e:  # announced in the next vote as a wrong-size message
                     mine = e.status
-                except Exception as e:  # announced in this bucket's vote
+                except Exception as e:  # announced in the next vote
                     mine = failed(b, e)
+            if b < nb and nxt is None and not voting:  # a failure, announced in the next vote
+                nxt = scratch(b)
             if nxt is not None and hasher is not None and nxt.sends:
                 sums = hasher.submit(_vote.send_digests, plan, nxt.sends, True)
             # The vote on bucket b travels while bucket b-1 is on the wire. Not the final ack, which
             # announces the check and unpacking of the last bucket, nor a vote that carries digests
             # (computed in the hasher thread meanwhile).
-            early = timed("vote", cast, b, nxt, mine, sums) if b < nb and sums is None else None
+            early = timed("vote", cast, b, nxt, mine, sums) if voting and b < nb and sums is None else None
             timed("wait", wait_all, works, cur, b)
             if b == nb:  # the last bucket is checked and unpacked before the final ack, which announces a failure
                 mine = finish(cur, b - 1, mine, expected)
-            ballot = early if early is not None else timed("vote", cast, b, nxt, mine, sums)
-            new_expected = timed("vote", count, b, ballot)
+            new_expected = {}
+            if voting:
+                ballot = early if early is not None else timed("vote", cast, b, nxt, mine, sums)
+                new_expected = timed("vote", count, b, ballot)
             works = timed("post", post, nxt, b) if nxt is not None else []
             if b < nb:
                 mine = finish(cur, b - 1, mine, expected)
@@ -489,23 +515,42 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
 
 
 class _WrongCount(Exception):
-    """``pack`` gave a number of tensors other than the plan's segments of a message; ``status`` says where."""
+    """``pack`` gave tensors other than the plan's segments of a message (count or bytes); ``status`` says where."""
 
     def __init__(self, status: Status) -> None:
         super().__init__(status.text)
         self.status = status
 
 
-def _check_count(plan: BridgePlan, m: Message, xs: list[torch.Tensor]) -> None:
-    """Refuses a message whose tensors are not one per planned segment: a surplus one would be posted
-    with no receive to match it (every rank would then wait for the deadline), a missing one never sent."""
+def _check_sizes(plan: BridgePlan, m: Message, xs: list[torch.Tensor]) -> None:
+    """Refuses a message whose tensors are not one per planned segment of its planned byte count: a
+    surplus one would be posted with no receive to match it (every rank would then wait for the
+    deadline), a missing one never sent, one of another size would abort gloo."""
     members = plan.segment_pieces(m)
-    if len(xs) == len(members):
-        return
-    # The piece named: that of the first segment left out, or of the last one planned for a surplus.
-    move = members[min(len(xs), len(members) - 1)][0].move if members else -1
-    raise _WrongCount(Status(Code.SIZE, m.bucket, m.dst, move,
-                             f"{len(xs)} tensors given for the {len(members)} segments of the plan"))
+    if len(xs) != len(members):
+        # The piece named: that of the first segment left out, or of the last one planned for a surplus.
+        move = members[min(len(xs), len(members) - 1)][0].move if members else -1
+        raise _WrongCount(Status(Code.SIZE, m.bucket, m.dst, move,
+                                 f"{len(xs)} tensors given for the {len(members)} segments of the plan"))
+    for x, seg, pieces in zip(xs, plan.segments(m), members, strict=True):
+        n = x.numel() * x.element_size()
+        if n != seg.stop - seg.start:
+            raise _WrongCount(Status(Code.SIZE, m.bucket, m.dst, pieces[0].move,
+                                     f"{n} bytes given for a segment of {seg.stop - seg.start}"))
+
+
+def vote_every(plan: BridgePlan) -> int:
+    """Without digests, the ranks vote before every this many buckets' payload (and in the final ack).
+
+    A failure between votes is announced in the next one: until then the failed rank sends and
+    receives staging bytes of the planned sizes, and nothing is committed.
+
+    Example:
+      >>> from bridge._wire import VOTE_BYTES
+      >>> VOTE_BYTES >> 20  # MiB per rank between votes at most
+      1024
+    """
+    return max(1, VOTE_BYTES // plan.bucket_bytes)
 
 
 def _nothing(m: Message, buf: torch.Tensor) -> list[torch.Tensor]:

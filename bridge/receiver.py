@@ -149,8 +149,8 @@ class Receiver:
       rank: this process's global torch rank (default: ``torch.distributed.get_rank()``).
       atomic: receive into a shadow copy of the params and commit only when every rank got
         everything; ``False`` writes in place as buckets arrive (no extra memory, but a failed
-        sync leaves a mix of old and new weights and ``consistent`` becomes False until the
-        next successful sync).
+        sync leaves a mix of old, new and, after a peer's failure between votes, meaningless
+        weights, and ``consistent`` becomes False until the next successful sync).
       swap: how an atomic sync commits. ``False``: the shadow is copied into the parameters,
         which keep their storage, so views and pointers an engine captured (CUDA graphs) stay
         valid. ``True``: no copy; the same tensor, Parameter and DTensor objects are given the

@@ -136,8 +136,11 @@ class Sender:
         by the process group's timeout).
       progress: show a tqdm bar (``None``: for syncs over 1 GiB on a terminal).
       checksum: announce an xxh3-64 digest of every piece sent, which receivers check before
-        committing (host memory only). Off by default: on the soak benchmark it costs more than
-        5% of the sync time (docs/reliability.md); byte counts are checked either way.
+        committing (host memory only); the ranks then vote on every bucket, and in a two-stage
+        plan the forwarding receivers announce digests too. Off by default: on the soak benchmark
+        it costs more than 5% of the sync time (docs/reliability.md); byte counts are checked
+        either way, and without digests the ranks vote only every ``bridge._wire.vote_every(plan)``
+        buckets and in the final ack.
 
     Attributes:
       stats: of the last sync: bytes sent, those across a domain boundary, and seconds per step

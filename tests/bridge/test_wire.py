@@ -1,4 +1,5 @@
-"""The wire protocol on its own (torch only, two processes): success (swap commit), a stalled peer, in-place sync."""
+"""The wire protocol on its own (torch only, two processes): success (swap commit), failures between votes,
+a stalled peer, in-place sync."""
 
 from __future__ import annotations
 
@@ -41,6 +42,29 @@ def test_sync_is_exact_and_versioned(events):
     assert events[1]["ok"] == {"version": 1, "exact": True, "swapped": True}
     assert events[0]["buckets"] > 1  # several buckets: the double-buffered path runs
     assert events[1]["jax_imported"] is False
+    assert events[0]["ok"]["gathers"] == 2  # no digests: the handshake and the final ack, no vote per bucket
+
+
+# fault -> what both ranks' SyncError says (every fault is in bucket 2, announced in the final ack)
+SAYS = {
+    "pack_error": "rank 0 failed in bucket 2/",
+    "truncate": "sender rank 0 would send a message of the wrong size to rank 1 in bucket 2/",
+    "unpack_error": "rank 1 failed in bucket 2/",
+}
+
+
+def test_a_failure_between_votes_fails_every_rank_at_the_next_vote(events):
+    for fault, says in SAYS.items():
+        for r in (0, 1):
+            ev = events[r][fault]
+            assert ev["ok"] is False and ev["error"] == "SyncError", (fault, r, ev)
+            assert says in ev["message"], (fault, r, ev)
+            assert "nothing was committed" in ev["message"], (fault, r, ev)
+        assert events[1][fault]["unchanged"] is True and events[1][fault]["version"] == 1, fault
+    assert "injected" in events[0]["unpack_error"]["message"]
+    assert "param 'linear.weight'" in events[1]["truncate"]["message"]  # the tensor is named
+    assert events[0]["truncate"]["gathers"] == 2  # found by the sender, told in the final ack
+    assert events[1]["again"] == {"version": 2, "exact": True}  # the same group syncs again
 
 
 def test_stalled_sender_fails_the_receiver_in_time_without_touching_weights(events):
@@ -52,7 +76,7 @@ def test_stalled_sender_fails_the_receiver_in_time_without_touching_weights(even
     # before the sender's own timeout or the group's, 30 s, would have ended the sync).
     assert STALL_TIMEOUT - 0.5 < ev["seconds"] < STALL_TIMEOUT + 1.0, ev
     assert "timeout" in ev["message"] or "Timed out" in ev["message"], ev
-    assert ev["unchanged"] is True and ev["version"] == 1
+    assert ev["unchanged"] is True and ev["version"] == 2
     assert events[0]["stall"]["ok"] is False and events[0]["stall"]["error"] == "SyncError"
 
 

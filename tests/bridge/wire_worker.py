@@ -3,7 +3,12 @@
 Rank 0 drives ``bridge._wire.run_sync`` directly with a NumPy-backed pack (standing in for the
 JAX Sender), so the protocol's failure handling is tested in seconds. Phases:
 
-  ok       a sync succeeds, bit-exact, committed by swapping storage (swap=True)
+  ok       a sync succeeds, bit-exact, committed by swapping storage (swap=True), with no vote
+           but the final ack (no digests: the buckets fit between two votes)
+  FAULTS   on the same group, no digests, each fault in bucket 2 of several, announced only in the
+           final ack: the sender's pack raises, gives a segment 8 bytes short, or the receiver's
+           unpack raises; every rank raises SyncError naming it, the weights unchanged
+  again    on the same group, a sync succeeds again, bit-exact
   stall    the sender joins, then stalls past the receiver's timeout: the receiver fails in time,
            its weights and version unchanged
   inplace  after recreating the group, an in-place (atomic=False) sync succeeds
@@ -28,6 +33,7 @@ from bridge._wire import SENDER, run_sync  # noqa: E402
 from jreshard import Layout  # noqa: E402
 
 STALL_TIMEOUT = 2.0
+FAULTS = ("pack_error", "truncate", "unpack_error")  # each in bucket 2 (index 1)
 
 
 def make_plan() -> tuple[bridge.BridgePlan, dict[str, np.ndarray]]:
@@ -40,16 +46,19 @@ def make_plan() -> tuple[bridge.BridgePlan, dict[str, np.ndarray]]:
     return plan, {"w": rng.standard_normal((64, 48), dtype=np.float32), "v": rng.standard_normal(48, dtype=np.float32)}
 
 
-def sender(plan, arrays, stall: float):
+def sender(plan, arrays, stall: float, fault: str = ""):
     def pack(m, buf):
         if stall:
             time.sleep(stall)
+        if fault == "pack_error" and m.bucket == 1:
+            raise RuntimeError("injected packing failure")
         for i, off in m.pieces:
             t = plan.moves[i]
             _, perm = plan.dst_region(t)
             piece = torch.from_numpy(arrays[t.leaf][t.box]).permute(perm)
             buf[off:off + t.nbytes].view(torch.bfloat16).view(piece.shape).copy_(piece)
-        return [buf[seg.start:seg.stop] for seg in plan.segments(m)]  # everything packed
+        segs = [buf[seg.start:seg.stop] for seg in plan.segments(m)]  # everything packed
+        return [segs[0][:-8], *segs[1:]] if fault == "truncate" and m.bucket == 1 else segs
 
     return pack
 
@@ -65,14 +74,27 @@ def main() -> None:
     events: dict = {"buckets": plan.num_buckets}
     bridge.init_group(args.rank, 2, port=args.port, timeout=30)
     if args.rank == 0:
-        for phase, version, stall in (("ok", 1, 0.0), ("stall", 2, STALL_TIMEOUT + 3)):
+        gathers = []
+        real_gather = dist.all_gather
+
+        def counted(*a, **k):
+            gathers[-1] += 1
+            return real_gather(*a, **k)
+
+        dist.all_gather = counted
+        phases = [("ok", 1, 0.0), *((f, 2, 0.0) for f in FAULTS), ("again", 2, 0.0), ("stall", 3, STALL_TIMEOUT + 3)]
+        for phase, version, stall in phases:
             t0 = time.perf_counter()
+            gathers.append(0)
             try:
                 run_sync(plan, 0, None, role=SENDER, version=version, status=0, timeout=STALL_TIMEOUT + 8,
-                         ready_timeout=30, pack=sender(plan, arrays, stall), recv=None, unpack=None)
+                         ready_timeout=30, pack=sender(plan, arrays, stall, phase), recv=None, unpack=None)
                 events[phase] = {"ok": True}
             except bridge.SyncError as e:
-                events[phase] = {"ok": False, "error": type(e).__name__, "seconds": time.perf_counter() - t0}
+                events[phase] = {"ok": False, "error": type(e).__name__, "message": str(e),
+                                 "seconds": time.perf_counter() - t0}
+            events[phase]["gathers"] = gathers[-1]
+        dist.all_gather = real_gather
         dist.destroy_process_group()
         bridge.init_group(0, 2, port=args.port2, timeout=30)
         run_sync(plan, 0, None, role=SENDER, version=3, status=0, timeout=10, ready_timeout=30,
@@ -89,15 +111,28 @@ def main() -> None:
         want = plan.reference(arrays)[1]
         events["ok"]["exact"] = all(torch.equal(params[n].float(), torch.from_numpy(want[n].astype(np.float32)))
                                     for n in params)
-        before = {k: v.clone() for k, v in params.items()}
-        t0 = time.perf_counter()
-        try:
-            rec.sync()
-            events["stall"] = {"ok": True}
-        except bridge.SyncError as e:
-            events["stall"] = {"ok": False, "error": type(e).__name__, "message": str(e),
-                               "seconds": time.perf_counter() - t0, "version": rec.version,
-                               "unchanged": all(torch.equal(before[k], params[k]) for k in params)}
+        real_unpack = rec._unpack
+
+        def failing(into, m, buf):
+            if m.bucket == 1:
+                raise RuntimeError("injected unpacking failure")
+            real_unpack(into, m, buf)
+
+        for phase in (*FAULTS, "stall"):
+            before = {k: v.clone() for k, v in params.items()}
+            rec._unpack = failing if phase == "unpack_error" else real_unpack
+            t0 = time.perf_counter()
+            try:
+                rec.sync()
+                events[phase] = {"ok": True}
+            except bridge.SyncError as e:
+                events[phase] = {"ok": False, "error": type(e).__name__, "message": str(e),
+                                 "seconds": time.perf_counter() - t0, "version": rec.version,
+                                 "unchanged": all(torch.equal(before[k], params[k]) for k in params)}
+            if phase == FAULTS[-1]:
+                rec._unpack = real_unpack
+                events["again"] = {"version": rec.sync(), "exact": all(
+                    torch.equal(params[n].float(), torch.from_numpy(want[n].astype(np.float32))) for n in params)}
         dist.destroy_process_group()
         bridge.init_group(1, 2, port=args.port2, timeout=30)
         inplace = bridge.Receiver(plan, params, rank=1, atomic=False, timeout=10, progress=True)
