@@ -16,10 +16,15 @@ direct delivery.
       processes), float32 leaves FSDP over the 4 devices of nodes 0-1 -> replicated on
       the 4 devices of nodes 2-3 (2 replicas per process); ``hierarchical=`` when
       ``jreshard.transfer`` accepts it, else direct only.
-  (c) the cost model (``jreshard.fleet.cost.compare``) for the same layouts, with the
-      network set to the measured shaped-link rate (halved per rank: two ranks share a
-      node's link), the fast links to the measured loopback (a) or memory copy (b) rate
-      and the latency to half the measured round trip, next to the measured times.
+  (c) the cost model (``jreshard.fleet.cost.compare``) for the same layouts on the links
+      and local work measured at the start (``measure``): the network at the shaped-link
+      rate (halved per rank: two ranks share a node's link), the fast links at the
+      loopback rate per stream with every inference rank streaming to its peer at once
+      (a) or at the shared copy rate (b: stage 2 of ``transfer`` is a copy inside a
+      process), the latency at one gloo message, and ``copy_GBps`` (packing, unpacking)
+      at the memory-copy rate per process with one process per device copying at once
+      (8 processes share the machine's cores as the ranks do); next to the measured
+      times, with the prediction from links and messages alone beside it.
 
 Cross-node bytes are counted by the kernel (``tx_bytes`` of every node's link, TCP/IP
 headers and the timing barriers included) next to the plan's figure. Without root or
@@ -41,7 +46,8 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -292,15 +298,45 @@ def run_transfer(a, cluster: Cluster | None) -> list[dict]:
     return _results(_launch(cluster, ranks, env, a.timeout))
 
 
-def predictions(a, shaped: float, fast: dict[str, float], latency_s: float) -> dict[str, dict[str, float]]:
+class Links(NamedTuple):
+    """What the cost model is given of the cluster, measured at the start of a run (bytes/s, seconds)."""
+
+    shaped: float  # one TCP stream over a node's shaped link
+    loop: float  # one TCP stream over a node's loopback, alone
+    loop_shared: float  # per stream, with every rank of the inference nodes streaming to its peer at once
+    copy: float  # one process copying memory, alone
+    copy_shared: float  # per process, with one process per device copying at once
+    rtt: float  # a 1-byte TCP round trip across nodes
+    message: float  # one small gloo (torch.distributed) message across nodes: half a send/recv round trip
+
+
+def topology(links: Links, part: str, bucket: int, copies: bool = True) -> Any:
+    """The cost model's topology of part (a) or (b) on the measured links.
+
+    Network: the shaped link halved (the model gives each device its own NIC; two ranks share a
+    node's link). Fast links: (a) the loopback per stream with every pair of ranks streaming at
+    once; (b) a copy inside a process (stage 2 of ``transfer``), at the shared copy rate. Latency:
+    one gloo message. Copies (packing, unpacking): the rate each device gets when every device
+    copies at once, as the ranks share the machine's cores.
+    """
+    from jreshard.fleet.cost import Topology
+
+    fast = links.loop_shared if part == "a" else links.copy_shared
+    return Topology(gpus_per_domain=PER_NODE, nvlink_GBps=fast / 1e9, network_GBps=links.shaped / PER_NODE / 1e9,
+                    latency_us=links.message * 1e6, bucket_bytes=bucket,
+                    copy_GBps=links.copy_shared / 1e9 if copies else None)
+
+
+def predictions(a, links: Links) -> dict[str, dict[str, float]]:
     """The cost model's seconds for (a) and (b), direct and hierarchical, on the measured links.
 
     Device ``d`` of the model is bridge rank ``d`` (a) or JAX device ``d`` (b), node ``d // 2``.
+    ``<mode>_links``: the same prediction without the copy term (links and messages only).
     """
     import numpy as np
 
     from jreshard import Layout, Mesh
-    from jreshard.fleet.cost import Topology, compare
+    from jreshard.fleet.cost import compare
     from jreshard.nn import fsdp_spec, param_shapes
 
     src_mesh, dst_mesh = Mesh(np.arange(4), "fsdp"), Mesh(np.arange(4, 8), "dp")
@@ -312,26 +348,97 @@ def predictions(a, shaped: float, fast: dict[str, float], latency_s: float) -> d
     for part, (shapes, dtype, bucket, spec) in cases.items():
         src = {p: Layout(s, src_mesh, spec(p, s), dtype) for p, s in shapes.items()}
         dst = {p: Layout(s, dst_mesh, (), dtype) for p, s in shapes.items()}
-        topo = Topology(gpus_per_domain=PER_NODE, nvlink_GBps=fast[part] / 1e9, network_GBps=shaped / PER_NODE / 1e9,
-                        latency_us=latency_s * 1e6, bucket_bytes=bucket)
-        c = compare(src, dst, topo, hierarchical="always")
-        hier = c.hierarchical if c.hierarchical is not None else c.direct
-        out[part] = {"never": c.direct.seconds, "always": hier.seconds,
-                     "never_bytes": c.direct.network_bytes, "always_bytes": hier.network_bytes}
+        out[part] = {}
+        for copies, tag in ((True, ""), (False, "_links")):
+            c = compare(src, dst, topology(links, part, bucket, copies), hierarchical="always")
+            hier = c.hierarchical if c.hierarchical is not None else c.direct
+            out[part].update({"never" + tag: c.direct.seconds, "always" + tag: hier.seconds})
+        out[part].update(never_bytes=c.direct.network_bytes, always_bytes=hier.network_bytes)
     return out
 
 
-def _memcpy_rate() -> float:
+def _copy_probe(seconds: float, start_at: float) -> None:
+    """From ``start_at`` (wall clock) for ``seconds``, copies 32 MiB over and over; prints bytes per second."""
     import numpy as np
 
-    x, y = np.ones(64 * MiB, np.uint8), np.empty(64 * MiB, np.uint8)
+    x, y = np.ones(32 * MiB, np.uint8), np.empty(32 * MiB, np.uint8)
     np.copyto(y, x)
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
+    time.sleep(max(0.0, start_at - time.time()))
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
         np.copyto(y, x)
+        n += 1
+    print("RESULT " + json.dumps({"rate": n * x.nbytes / (time.perf_counter() - t0)}), flush=True)
+
+
+def copy_rates(cluster: Cluster | None, procs: int, seconds: float = 1.0) -> tuple[float, float]:
+    """Memory-copy rate of one process alone, and per process (median) with ``procs`` copying at once.
+
+    The processes run in the nodes, ``PER_NODE`` per node, as the ranks do."""
+    rates = []
+    for n in (1, procs):
+        start_at = time.time() + 1.0 + 0.4 * n  # after every process has imported numpy
+        argv = [sys.executable, __file__, "--copy-probe", str(seconds), str(start_at)]
+        outs = _launch(cluster, [(i // PER_NODE, argv) for i in range(n)], dict(os.environ, OMP_NUM_THREADS="1"), 120)
+        rates.append(statistics.median(r["rate"] for r in _results(outs)))
+    return rates[0], rates[1]
+
+
+def shared_loopback(cluster: Cluster | None, nodes: tuple[int, ...] = (2, 3), seconds: float = 1.0) -> float:
+    """Median rate per stream of ``PER_NODE`` loopback streams in each of ``nodes`` at once (stage 2's pairs)."""
+    jobs = [(n, 5210 + i) for n in (nodes if cluster else (0,) * len(nodes)) for i in range(PER_NODE)]
+    jobs = [(n, port + (k if cluster is None else 0)) for k, (n, port) in enumerate(jobs)]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        rates = list(pool.map(lambda job: stream_rate(cluster, job[0], job[0], seconds, port=job[1]), jobs))
+    return statistics.median(rates)
+
+
+def _message_probe(a) -> None:
+    """Rank 0 and 1 of a gloo group ping-pong one int64 (rank 0 prints the median round trip)."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://{a.master}:{a.port}", rank=a.rank, world_size=2)
+    x, times = torch.zeros(1, dtype=torch.int64), []
+    for _ in range(300):
+        t0 = time.perf_counter()
+        if a.rank == 0:
+            dist.send(x, 1)
+            dist.recv(x, 1)
+        else:
+            dist.recv(x, 0)
+            dist.send(x, 0)
         times.append(time.perf_counter() - t0)
-    return x.nbytes / statistics.median(times)
+    if a.rank == 0:
+        print("RESULT " + json.dumps({"rtt": statistics.median(times[50:])}), flush=True)
+    dist.destroy_process_group()
+
+
+def message_cost(cluster: Cluster | None) -> float:
+    """Seconds of one small gloo message from node 0 to node 2 (half the median send/recv round trip)."""
+    master = Cluster.addr(0) if cluster else "127.0.0.1"
+    port = 29400 if cluster else _free_port()
+    argv = [sys.executable, __file__, f"--master={master}", f"--port={port}", "--message-rank"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    return _results(_launch(cluster, [(0, [*argv, "0"]), (2, [*argv, "1"])], env, 180))[0]["rtt"] / 2
+
+
+def measure(cluster: Cluster | None) -> Links:
+    """The links and the local work of the cluster (or the machine), measured and printed."""
+    if cluster is None:
+        shaped = loop = stream_rate(None, 0, 0)
+        rtt = round_trip(None, 0, 0)
+    else:
+        shaped, loop = stream_rate(cluster, 0, 2), stream_rate(cluster, 2, 2)
+        rtt = round_trip(cluster, 0, 2)
+    copy, copy_shared = copy_rates(cluster, NODES * PER_NODE)
+    links = Links(shaped, loop, shared_loopback(cluster), copy, copy_shared, rtt, message_cost(cluster))
+    print(f"measured: shaped link {shaped * 8 / 1e6:.0f} Mbit/s ({shaped / 1e6:.1f} MB/s); loopback in a node "
+          f"{loop * 8 / 1e9:.2f} Gbit/s alone, {links.loop_shared * 8 / 1e9:.2f} Gbit/s per stream with "
+          f"{2 * PER_NODE} streams at once; memory copy {copy / 1e9:.2f} GB/s alone, "
+          f"{copy_shared / 1e9:.2f} GB/s per process with {NODES * PER_NODE} at once; 1-byte TCP round trip "
+          f"across nodes {rtt * 1e6:.0f} us; one gloo message across nodes {links.message * 1e6:.0f} us")
+    return links
 
 
 def _report(title: str, res: dict, plan_bytes: dict, pred: dict | None, kernel: bool) -> None:
@@ -349,7 +456,8 @@ def _report(title: str, res: dict, plan_bytes: dict, pred: dict | None, kernel: 
                 "cross-node bytes: " + (f"kernel {kb / 1e6:.2f} MB, " if kernel else "") + planned)
         if pred is not None:
             line += (f"; predicted {pred[m] * 1e3:7.1f} ms ({pred[m + '_bytes'] / 1e6:.2f} MB), "
-                     f"predicted / measured {pred[m] / med[m]:.2f}")
+                     f"predicted / measured {pred[m] / med[m]:.2f} (links only: {pred[m + '_links'] * 1e3:.0f} ms, "
+                     f"{pred[m + '_links'] / med[m]:.2f})")
         print(line)
     for m, r in res.items():
         if r.get("steps"):
@@ -399,7 +507,14 @@ def main() -> None:
         ap.add_argument(hidden, type=int, default=-1, help=argparse.SUPPRESS)
     ap.add_argument("--master", default="127.0.0.1", help=argparse.SUPPRESS)
     ap.add_argument("--count-bytes", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--copy-probe", nargs=2, type=float, help=argparse.SUPPRESS)
+    ap.add_argument("--message-rank", type=int, default=-1, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.copy_probe is not None:
+        return _copy_probe(*a.copy_probe)
+    if a.message_rank >= 0:
+        a.rank = a.message_rank
+        return _message_probe(a)
     if a.bridge_rank >= 0:
         a.rank = a.bridge_rank
         return bridge_worker(a)
@@ -414,20 +529,13 @@ def main() -> None:
     try:
         if cluster is None:
             print(f"no simulated cluster ({reason}): every process runs on the machine's loopback, unshaped")
-            shaped = loop = stream_rate(None, 0, 0)
-            rtt = round_trip(None, 0, 0)
         else:
-            shaped, loop = stream_rate(cluster, 0, 2), stream_rate(cluster, 2, 2)
-            rtt = round_trip(cluster, 0, 2)
             print(f"cluster: {NODES} nodes x {PER_NODE} ranks, links shaped to {a.rate_mbit:g} Mbit/s per direction, "
                   f"latency {a.latency_ms:g} ms " + ("applied (netem)" if cluster.latency_shaped else
                                                     "NOT applied (this kernel has no netem qdisc)"))
         print(_load())
-        copy = _memcpy_rate()
-        print(f"measured: shaped link {shaped * 8 / 1e6:.0f} Mbit/s ({shaped / 1e6:.1f} MB/s), loopback in a node "
-              f"{loop * 8 / 1e9:.2f} Gbit/s, memory copy {copy / 1e9:.2f} GB/s, 1-byte TCP round trip across "
-              f"nodes {rtt * 1e6:.0f} us")
-        pred = predictions(a, shaped, {"a": loop, "b": copy}, rtt / 2) if "c" in a.parts and cluster else None
+        links = measure(cluster)
+        pred = predictions(a, links) if "c" in a.parts and cluster else None
         if "c" in a.parts and cluster is None:
             print("(c) skipped: without a cluster there is no shaped link to predict")
         if "a" in a.parts:

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -94,3 +95,34 @@ def test_a_terminated_run_tears_its_cluster_down():
             if p.poll() is None:
                 p.kill()
     assert not [n for n in _namespaces() if n.startswith(prefix + "-")]
+
+
+def _bench():
+    """benchmarks/cluster_bench.py as a module (it finds benchmarks/cluster.py next to it)."""
+    spec = importlib.util.spec_from_file_location("jreshard_bench_cluster_bench", _PATH.with_name("cluster_bench.py"))
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_predictions_use_every_measured_input():
+    bench = _bench()
+    # 400 Mbit/s links, loopback 100 MB/s per stream, copies 0.4 GB/s per process, 100 us per message.
+    links = bench.Links(shaped=50e6, loop=800e6, loop_shared=100e6, copy=1.6e9, copy_shared=0.4e9, rtt=20e-6,
+                        message=100e-6)
+    topo = bench.topology(links, "a", 16 << 20)
+    assert (topo.network_GBps, topo.nvlink_GBps, topo.copy_GBps, topo.latency_us) == (0.025, 0.1, 0.4, 100.0)
+    assert bench.topology(links, "b", 1, copies=False).nvlink_GBps == 0.4  # stage 2 of transfer: a copy
+    args = SimpleNamespace(layers=1, hidden=128, vocab=512, bucket_mb=16, transfer_mb=8)
+    pred = bench.predictions(args, links)
+    for part in "ab":
+        p = pred[part]
+        assert p["always_bytes"] * 2 == p["never_bytes"]  # each byte into each node once, not per replica
+        for mode in ("never", "always"):
+            assert p[mode] > p[mode + "_links"] > 0  # the copies add to the links
+    # (b) by hand: each of the 4 receiving devices gets 8 MiB over a 25 MB/s share of its node's link.
+    nbytes = 8 * 2**20
+    links_only = nbytes / 25e6 + 100e-6 * 4  # one message from each of its four senders
+    assert pred["b"]["never_links"] == pytest.approx(links_only, rel=1e-6)
+    assert pred["b"]["never"] == pytest.approx(links_only + nbytes / 0.4e9, rel=1e-6)  # plus unpacking them
