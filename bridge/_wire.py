@@ -210,8 +210,10 @@ def _wait(work, deadline: float, what: str, rank: int) -> None:
     try:
         work.wait(datetime.timedelta(seconds=left))
     except Exception as e:  # gloo reports a dead peer, a closed pair or a timeout as RuntimeError
-        # Time still left means the transport failed first: a peer died or closed its connections.
-        why = "timeout" if time.monotonic() >= deadline - 0.01 else "a peer's connection closed: it died or gave up"
+        # Time still left means the transport failed first: the group's own (shorter) timeout, or a peer
+        # that died or closed its connections.
+        why = ("timeout" if time.monotonic() >= deadline - 0.01 else "the process group's timeout, shorter than "
+               "this wait" if "timed out" in str(e).lower() else "a peer's connection closed: it died or gave up")
         raise SyncError(f"rank {rank}: {what} failed before the sync's deadline ({left:.3g} s were left; "
                         f"{why}): {e}. The process group is no longer usable: "
                         "call bridge.rebuild_group(...) on every rank, then retry.") from e
