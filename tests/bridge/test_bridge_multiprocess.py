@@ -172,7 +172,8 @@ def test_killed_rank_fails_everyone_cleanly_and_restart_succeeds(run):
     for r in (C.TRAINERS[0], *C.RECEIVERS):
         ev = run["events"][r]["kill"]
         assert ev["ok"] is False and ev["error"] == "SyncError", (r, ev)
-        assert ev["seconds"] < KILL_TIMEOUT + C.SLACK, (r, ev)
+        # Timed from the start of the rank's sync call: within the deadline plus a second.
+        assert ev["seconds"] < KILL_TIMEOUT + 1.0, (r, ev)
     want_old = C.vllm_shards(C.make_arrays(C.small_config(), 1), C.small_config(), 2, fused=True, vocab_pad=64)
     want_new = C.vllm_shards(C.make_arrays(C.small_config(), 3), C.small_config(), 2, fused=True, vocab_pad=64)
     for i, r in enumerate(C.RECEIVERS):
