@@ -5,8 +5,12 @@ The model (see ``docs/cost_model.md``):
 - Topology (``jreshard.fleet.hardware``): devices ``d`` sit in NVLink domains
   ``d // gpus_per_domain`` (or any ``Domains`` the topology is given); each GPU
   has one network NIC (``network_GBps`` per direction) and NVLink (``nvlink_GBps`` per direction). A move between two
-  devices of one domain uses NVLink, any other move the network. Local copies are
-  free.
+  devices of one domain uses NVLink, any other move the network. A move from a
+  device to itself loads no link.
+- Local copies, when the topology gives ``copy_GBps`` (the hardware files do): one
+  per byte a device sends (packing), one per byte it receives (unpacking), one per
+  byte it moves to itself, charged after its link time. Gather-then-broadcast is
+  charged none (its collectives write into the tensors).
 - Alpha-beta per device (``jreshard.fleet.traffic``): every device has four
   independent links (network out/in, NVLink out/in); its time is the busiest
   link's bytes over its bandwidth plus ``latency * messages`` (the larger of
