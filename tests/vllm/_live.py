@@ -69,7 +69,8 @@ def oracle(engine: dict, out: Path, v: int) -> list[dict]:
     return C.hf_greedy(C.hf_model(cfg, C.flax_to_hf(flat, cfg)), C.PROMPTS, C.MAX_TOKENS)
 
 
-def start_trainers(engine, out: Path, versions: str, mode: str = "normal") -> list[subprocess.Popen]:
+def start_trainers(engine, out: Path, versions: str, mode: str = "normal",
+                   timeout: float = 30.0) -> list[subprocess.Popen]:
     out.mkdir(parents=True, exist_ok=True)
     jax_port, sync_port = C.free_port(), C.free_port()
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
@@ -81,7 +82,7 @@ def start_trainers(engine, out: Path, versions: str, mode: str = "normal") -> li
                 [C.python(), str(C.HERE / "trainer_worker.py"), "--rank", str(rank), "--jax-port", str(jax_port),
                  "--sync-port", str(sync_port), "--server", str(engine["address"][1]), "--model",
                  str(engine["model"]), "--out", str(out), "--versions", versions, "--mode", mode,
-                 "--kind", engine["kind"]],
+                 "--kind", engine["kind"], "--timeout", str(timeout)],
                 cwd=C.ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     return procs
 

@@ -29,6 +29,8 @@ from tests.vllm._live import (  # noqa: E402
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
+KILL_TIMEOUT = 5.0  # seconds: the sync deadline of the trainers one of which dies
+
 
 class TestDense(EngineChecks):
     """Padded vocabulary (TP rank 1 holds 24 padding rows), one KV head replicated on both ranks; the faults."""
@@ -51,10 +53,12 @@ class TestDense(EngineChecks):
 
     def test_a_trainer_killed_mid_sync_leaves_the_engine_serving_then_a_later_sync_succeeds(self, engine, tmp_path):
         before, served = generate(engine), version(engine)
-        procs = start_trainers(engine, tmp_path / "killed", "5", mode="die")
+        # A short deadline: the survivors learn of the death from gloo at once, the deadline bounds the rest.
+        procs = start_trainers(engine, tmp_path / "killed", "5", mode="die", timeout=KILL_TIMEOUT)
         try:
             rec = wait_sync(tmp_path / "killed", procs, 0, 5)
             assert not rec["ok"] and rec["error"] == "SyncError", rec
+            assert rec["seconds"] < KILL_TIMEOUT + 1.0, rec
             assert finish(procs, tmp_path / "killed")[1] == 17
         finally:
             C.kill_all(procs)

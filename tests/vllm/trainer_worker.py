@@ -54,6 +54,7 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
     from jax.experimental import multihost_utils
+    ap.add_argument("--timeout", type=float, default=30.0, help="the sync's deadline after its handshake (seconds)")
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from bridge.vllm import Recipe, VLLMWeightSync
@@ -83,7 +84,7 @@ def main() -> None:
     client = C.RemoteClient(("127.0.0.1", args.server)) if args.rank == 0 else None
     sync = VLLMWeightSync(recipe, workers=C.TP, client=client, rank=args.rank, trainers=C.TRAINERS,
                           port=args.sync_port, bucket_bytes=(64 << 10) if args.mode == "die" else (16 << 20),
-                          timeout=30.0, ready_timeout=120.0)
+                          timeout=args.timeout, ready_timeout=120.0)
     if args.mode == "die" and args.rank == 1:
         from bridge.sender import Sender
 
@@ -120,7 +121,7 @@ def main() -> None:
                                              for g in p.regions) for r in plan.param_map.ranks}}
         except Exception as e:
             events["syncs"][str(v)] = {"ok": False, "error": type(e).__name__, "message": str(e),
-                                       "trace": traceback.format_exc()[-3000:]}
+                                       "seconds": time.perf_counter() - t0, "trace": traceback.format_exc()[-3000:]}
             save(args.out, args.rank)
             break
         save(args.out, args.rank)
@@ -135,3 +136,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    if args.mode == "die":
+        # A JAX job does not survive losing a process: exit without jax.distributed's shutdown
+        # barrier, which would wait for the dead peer's heartbeats to time out (minutes).
+        os._exit(0)
