@@ -132,11 +132,11 @@ def main() -> None:
                 time.sleep(0.2)
     sync.close()
     save(args.out, args.rank)
-
-
-if __name__ == "__main__":
-    main()
     if args.mode == "die":
         # A JAX job does not survive losing a process: exit without jax.distributed's shutdown
         # barrier, which would wait for the dead peer's heartbeats to time out (minutes).
         os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
