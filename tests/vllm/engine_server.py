@@ -1,7 +1,8 @@
 """A vLLM engine (TP2, backend "jreshard") serving JSON requests: generation and the weight-sync phases.
 
-Started by tests/vllm/test_vllm_live.py as a process: ``engine_server.py MODEL_DIR PORT_FILE``. It
-writes its listener's port to PORT_FILE once the engine is up. Requests (tests/vllm/_common.py):
+Started by tests/vllm/test_vllm_live.py as a process: ``engine_server.py MODEL_DIR PORT_FILE [DTYPE]``
+(the model dtype, float32 unless given; an FP8 checkpoint is served in bfloat16). It writes its
+listener's port to PORT_FILE once the engine is up. Requests (tests/vllm/_common.py):
 ``generate`` (greedy tokens and log-probabilities of token-id prompts), ``call`` (a method of
 bridge.vllm.LLMClient), ``pause``/``resume`` (generation waits while paused), ``version`` and ``stop``.
 """
@@ -27,7 +28,8 @@ def main() -> None:
     from bridge.vllm import LLMClient
 
     model_dir, port_file = sys.argv[1], sys.argv[2]
-    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+    dtype = sys.argv[3] if len(sys.argv) > 3 else "float32"
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True,
               distributed_executor_backend="mp", max_model_len=256, tensor_parallel_size=C.TP,
               weight_transfer_config=WeightTransferConfig(backend="jreshard"))
     client = LLMClient(llm)

@@ -3,10 +3,10 @@
 The workers' descriptions are those of vLLM 0.32's ``Fp8LinearMethod`` with block
 scales (``tests/bridge/test_fp8_vllm.targets``: ``weight`` float8_e4m3fn ``[out/tp, in]``,
 ``weight_scale_inv`` float32 ``[ceil(out/tp/n), ceil(in/k)]``, norms and embeddings in
-bfloat16) plus the FP8 entry a worker of a block-FP8 model adds. No live FP8 engine runs
-here (vLLM's CPU attention in bfloat16 stops on this machine); the delivery is checked with
-the plan's NumPy execution against a NumPy quantizer and vLLM's slicing
-(``tests/bridge/test_fp8_rules.expected``). Pure: no jax, no vLLM.
+bfloat16) plus the FP8 entry a worker of a block-FP8 model adds. The delivery is checked
+with the plan's NumPy execution against a NumPy quantizer and vLLM's slicing
+(``tests/bridge/test_fp8_rules.expected``), bit for bit. Pure: no jax, no vLLM (a live FP8
+engine is synced in ``tests/vllm/test_fp8_live.py``).
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ weights (``params_v{v}.npz``) and every rank its events (``rank{R}.json``: repor
 Rank 0 waits for the file ``go_v{v}`` before the next version, so the test can query the engine in between.
 
 ``--mode mismatch`` syncs with a recipe that asks for bfloat16 params (the engine holds float32);
-``--mode die`` makes rank 1 exit in the middle of the first sync.
+``--mode die`` makes rank 1 exit in the middle of the first sync. ``--kind`` names the model
+(``tests/vllm/_common.KINDS``; ``fp8``: the engine serves it as block-FP8, the sync quantizes).
 """
 
 from __future__ import annotations
@@ -38,6 +39,14 @@ def save(out: str, rank: int) -> None:
     os.replace(name + ".tmp", name)
 
 
+def _by_dtype(params, size: dict[str, int]) -> dict[str, int]:
+    """The bytes of ``params``' regions per dtype (what one worker receives of each)."""
+    out: dict[str, int] = {}
+    for p in params:
+        out[p.dtype] = out.get(p.dtype, 0) + sum(int(np.prod(g.shape)) for g in p.regions) * size[p.name]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     for a in ("--rank", "--jax-port", "--sync-port", "--server"):
@@ -45,8 +54,9 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--versions", default="1")
+    ap.add_argument("--timeout", type=float, default=30.0, help="the sync's deadline after its handshake (seconds)")
     ap.add_argument("--mode", default="normal", choices=["normal", "mismatch", "die"])
-    ap.add_argument("--kind", default="dense", choices=["dense", "moe"])
+    ap.add_argument("--kind", default="dense", choices=sorted(C.KINDS))
     args = ap.parse_args()
 
     import dataclasses
@@ -54,7 +64,6 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
     from jax.experimental import multihost_utils
-    ap.add_argument("--timeout", type=float, default=30.0, help="the sync's deadline after its handshake (seconds)")
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from bridge.vllm import Recipe, VLLMWeightSync
@@ -111,14 +120,16 @@ def main() -> None:
         try:
             report = sync.sync(params, v)
             plan = sync.plan
+            size = {p.name: jnp.dtype(p.dtype).itemsize for p in plan.param_map.params}
             events["syncs"][str(v)] = {
-                "ok": True, "seconds": time.perf_counter() - t0, "loss": float(loss),
+                "ok": True, "seconds": time.perf_counter() - t0, "loss": float(loss), "fp8": sync.fp8 is not None,
                 "bytes_received": {str(r): n for r, n in report.bytes_received.items()},
                 "plan_recv": {str(r): n for r, n in plan.rank_bytes()["recv"].items()},
-                "param_bytes": {str(r): sum(int(np.prod(p.shape)) * 4 for p in plan.param_map.for_rank(r))
+                "param_bytes": {str(r): sum(int(np.prod(p.shape)) * size[p.name] for p in plan.param_map.for_rank(r))
                                 for r in plan.param_map.ranks},
-                "region_bytes": {str(r): sum(int(np.prod(g.shape)) * 4 for p in plan.param_map.for_rank(r)
-                                             for g in p.regions) for r in plan.param_map.ranks}}
+                "region_bytes": {str(r): sum(int(np.prod(g.shape)) * size[p.name] for p in plan.param_map.for_rank(r)
+                                             for g in p.regions) for r in plan.param_map.ranks},
+                "dtype_bytes": {str(r): _by_dtype(plan.param_map.for_rank(r), size) for r in plan.param_map.ranks}}
         except Exception as e:
             events["syncs"][str(v)] = {"ok": False, "error": type(e).__name__, "message": str(e),
                                        "seconds": time.perf_counter() - t0, "trace": traceback.format_exc()[-3000:]}
