@@ -384,8 +384,11 @@ def copy_rates(cluster: Cluster | None, procs: int, seconds: float = 1.0) -> tup
     return rates[0], rates[1]
 
 
-def shared_loopback(cluster: Cluster | None, nodes: tuple[int, ...] = (2, 3), seconds: float = 1.0) -> float:
-    """Median rate per stream of ``PER_NODE`` loopback streams in each of ``nodes`` at once (stage 2's pairs)."""
+def shared_loopback(cluster: Cluster | None, nodes: tuple[int, ...] = (2, 3), seconds: float = 3.0) -> float:
+    """Median rate per stream of ``PER_NODE`` loopback streams in each of ``nodes`` at once (stage 2's pairs).
+
+    Each stream's processes start on their own (up to a second apart on a loaded machine), so the
+    streams run for several seconds to overlap for most of their time."""
     jobs = [(n, 5210 + i) for n in (nodes if cluster else (0,) * len(nodes)) for i in range(PER_NODE)]
     jobs = [(n, port + (k if cluster is None else 0)) for k, (n, port) in enumerate(jobs)]
     with ThreadPoolExecutor(len(jobs)) as pool:
