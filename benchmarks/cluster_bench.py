@@ -389,8 +389,9 @@ def shared_loopback(cluster: Cluster | None, nodes: tuple[int, ...] = (2, 3), se
 
     Each stream's processes start on their own (up to a second apart on a loaded machine), so the
     streams run for several seconds to overlap for most of their time."""
-    jobs = [(n, 5210 + i) for n in (nodes if cluster else (0,) * len(nodes)) for i in range(PER_NODE)]
-    jobs = [(n, port + (k if cluster is None else 0)) for k, (n, port) in enumerate(jobs)]
+    # In the nodes: ports 5210.. in each node's namespace; without a cluster: one machine, every port apart.
+    jobs = [(n if cluster else 0, 5210 + (i if cluster else j * PER_NODE + i))
+            for j, n in enumerate(nodes) for i in range(PER_NODE)]
     with ThreadPoolExecutor(len(jobs)) as pool:
         rates = list(pool.map(lambda job: stream_rate(cluster, job[0], job[0], seconds, port=job[1]), jobs))
     return statistics.median(rates)
