@@ -1,5 +1,5 @@
 """Fault injection over processes (torch only): every surviving rank raises a SyncError within the deadline
-plus one second (a death: within a second of it), receivers keep their weights, and a later sync succeeds
+plus one second (a death: within DEATH_LAG of it), receivers keep their weights, and a later sync succeeds
 bit-exact.
 
 One launch of tests/bridge/fault_worker.py runs every fault in sequence (rank 0 sends, ranks 1 and 2
@@ -23,7 +23,11 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 WORKER = Path(__file__).parent / "fault_worker.py"
 LIMIT = 300  # seconds for the whole launch
-PROMPT = 1.0  # seconds: the margin past the deadline, and from a death to every survivor's error
+PROMPT = 1.0  # seconds: the margin past the deadline
+# Seconds from a victim's last act (writing the time of its death, then SIGKILL) to every survivor's error:
+# usually 0.02 to 0.16 s, once 1.03 s on a loaded machine (the kernel closes a killed process's sockets
+# only after tearing down its memory, and the survivors may wait for a CPU).
+DEATH_LAG = 2.0
 
 # fault -> what every surviving rank's message must say; run in this order (faults the votes catch first)
 FAULTS = {
@@ -111,6 +115,6 @@ def test_fault(fault, run):
         if not needs_rebuild(fault):  # found by a vote: raised at once, not at the deadline
             assert got["seconds"] < TIMEOUT, (r, got)
         if dead is not None:  # gloo reports the closed connection: well before the deadline
-            assert got["at"] - run["deaths"][k] < PROMPT, (r, got, run["deaths"][k])
+            assert got["at"] - run["deaths"][k] < DEATH_LAG, (r, got, run["deaths"][k])
         if r != 0:
             assert got["unchanged"] is True and got["version"] == 2 * k + 1, (r, got)
