@@ -230,8 +230,9 @@ def live(args: argparse.Namespace) -> None:
     for v in range(2, 2 + args.reps):
         t0 = time.perf_counter()
         report = sync.sync(params, v)
-        runs["jreshard"].append({"total": time.perf_counter() - t0, **report.seconds[0],
-                                 "workers": [report.seconds[r] for r in sorted(report.bytes_received)]})
+        total, workers = time.perf_counter() - t0, [report.seconds[r] for r in sorted(report.bytes_received)]
+        runs["jreshard"].append({"total": total, **report.seconds[0], "workers": workers,
+                                 "rest": total - report.seconds[0]["send"] - max(w["commit"] for w in workers)})
         runs["nccl-like"].append(baseline())
     after_baseline = greedy()
     sync.sync(params, 2 + args.reps)
@@ -261,7 +262,7 @@ def live(args: argparse.Namespace) -> None:
           + ", ".join(f"{k} {med('jreshard', k, True):.3f}" for k in steps if k != "pack")
           + f"; staging copies {med('jreshard', 'unpack', True):.3f}), commit {med('jreshard', 'commit', True):.3f} "
           f"(of which vLLM post-load processing {jp:.3f}); the rest (phase calls, reports) "
-          f"{j - med('jreshard', 'send') - med('jreshard', 'commit', True):.3f}")
+          f"{med('jreshard', 'rest'):.3f}")
     print(f"  nccl-like  trainer gather {med('nccl-like', 'gather'):.3f}, broadcasts {med('nccl-like', 'send'):.3f}; "
           f"workers: waiting in broadcasts {med('nccl-like', 'receive', True):.3f}, load_weights and reload "
           f"{med('nccl-like', 'load', True):.3f} (of which vLLM post-load processing {bp:.3f})")
