@@ -30,7 +30,13 @@ _WIRE_STEPS = ("handshake", "pack", "vote", "post", "wait")
 
 
 def wire_seconds(stats: dict[str, float]) -> dict[str, float]:
-    """The seconds a ``Sender``'s or ``Receiver``'s last sync spent in each wire step, as a sync reports them."""
+    """The seconds a ``Sender``'s or ``Receiver``'s last sync spent in each wire step, as a sync reports them.
+
+    Example:
+      >>> from bridge.vllm._group import wire_seconds
+      >>> wire_seconds({"pack": 0.5, "wait": 0.25, "sent": 4096.0})  # byte counts are left out
+      {'handshake': 0.0, 'pack': 0.5, 'vote': 0.0, 'post': 0.0, 'wait': 0.25}
+    """
     return {k: float(stats.get(k, 0.0)) for k in _WIRE_STEPS}
 
 
