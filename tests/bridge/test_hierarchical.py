@@ -197,14 +197,16 @@ def test_two_stage_sync_over_nodes(tmp_path):
     assert sum(ev[str(r)]["hier"]["stats"]["cross_domain_sent"] for r in range(2, WORLD)) == 0  # stage 2 stays home
 
     # A rank killed in stage 2: every other rank fails within the deadline plus a second of the start of its
-    # sync call and within a second of the death (gloo reports the closed connection), no receiver commits.
+    # sync call, and soon after the death (gloo reports the closed connection), no receiver commits. Soon:
+    # within 2 s of the victim's last act (measured 0.5 to 1.2 s under load: Linux closes a killed process's
+    # sockets only after tearing down its memory).
     died = float((run["out"] / "victim_dies").read_text())
     for r in range(WORLD):
         if r == VICTIM:
             continue
         got = ev[str(r)]["kill"]
         assert got["ok"] is False and got["error"] == "SyncError", (r, got, logs)
-        assert got["seconds"] < TIMEOUT + 1.0 and got["at"] - died < 1.0, (r, got, died)
+        assert got["seconds"] < TIMEOUT + 1.0 and got["at"] - died < 2.0, (r, got, died)
         if r not in TRAINERS:
             assert got["unchanged"] is True and got["version"] == 1, (r, got)  # its last sync (phase hier)
     # After rebuilding the group (the dead rank relaunched), the next sync is exact everywhere.
