@@ -63,6 +63,8 @@ NAMES = {"never": "direct", "always": "hierarchical"}
 # The steps of a bridge sync that Sender.stats and Receiver.stats time (seconds).
 STEPS = ("handshake", "pack", "vote", "post", "wait", "check", "unpack")
 MiB = 1 << 20
+# 8 processes share the machine's cores: XLA runs each on one thread, as OMP_NUM_THREADS=1 does torch.
+ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 
 def _config(a):
@@ -178,7 +180,7 @@ def _cross_node_bytes(plan) -> int:
 
 
 def transfer_worker(a) -> None:
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={PER_NODE}"
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={PER_NODE} {ONE_THREAD}"
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
 
@@ -281,7 +283,7 @@ def _common(a, cluster: Cluster | None) -> tuple[str, list[str], dict]:
             f"--port={29500 if cluster else _free_port()}", f"--jax-port={29501 if cluster else _free_port()}",
             *(["--count-bytes"] if cluster else [])]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1", PYTHONPATH=ROOT)
+               XLA_FLAGS=f"--xla_force_host_platform_device_count=1 {ONE_THREAD}", PYTHONPATH=ROOT)
     return master, args, env
 
 
