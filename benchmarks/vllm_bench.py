@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -237,6 +238,7 @@ def live(args: argparse.Namespace) -> None:
     after_baseline = greedy()
     sync.sync(params, 2 + args.reps)
     after_jreshard = greedy()
+    shutil.rmtree(tmp, ignore_errors=True)  # the saved model (the engine has loaded it)
 
     def med(method: str, key: str, worker: bool = False) -> float:
         """Median over runs; for worker phases, the slowest worker of each run."""
