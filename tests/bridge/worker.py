@@ -38,7 +38,7 @@ from jreshard.nn import fsdp_spec, param_shapes  # noqa: E402
 
 source_for = C.source_for
 
-TIMEOUT = 15.0
+TIMEOUT = 60.0  # a trainer's first sync of a phase compiles its casts: seconds on a loaded machine
 KILL_TIMEOUT = 10.0
 RESTART_TIMEOUT = 60.0  # the restarted trainers' first sync compiles their packing: slow on a loaded machine
 
