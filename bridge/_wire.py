@@ -53,13 +53,15 @@ peer the group is unusable (gloo closes the pairs of a failed operation):
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
 import sys
 import time
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
+from contextvars import ContextVar
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -67,6 +69,7 @@ import torch
 import torch.distributed as dist
 
 from bridge import _vote
+from bridge._alarm import SLICE, Alarm, Waiter, store_of
 from bridge._args import check_int, check_seconds
 from bridge._plan import WIRE_DTYPES, BridgePlan, Message
 from bridge._plan_key import decode, describe_difference, encode, plan_key
@@ -205,18 +208,109 @@ def _header(role: int, status: int, version: int, digests: bool, fingerprint: by
 
 
 def _wait(work, deadline: float, what: str, rank: int) -> None:
-    """Waits for ``work`` until ``deadline`` (``time.monotonic()`` seconds), the sync's one deadline."""
+    """Waits for the collective ``work`` until ``deadline`` (``time.monotonic()`` seconds), the sync's one
+    deadline. With an alarm (``bridge._alarm``) it waits in slices and raises once another rank gave up."""
+    alarm = _CURRENT.get()
+    if alarm is None:
+        return _wait_once(work, deadline, what, rank)
+    while deadline - time.monotonic() > SLICE:
+        try:
+            work.wait(datetime.timedelta(seconds=SLICE))
+            return None
+        except Exception as e:  # a slice that ran out leaves a gloo collective running and not completed
+            if work.is_completed():
+                raise _give_up(_failure(e, deadline, deadline - time.monotonic(), what, rank)) from e
+        _check_alarm(alarm, what, rank)
+    try:
+        return _wait_once(work, deadline, what, rank)
+    except SyncError as e:
+        raise _give_up(e) from e.__cause__
+
+
+def _wait_once(work, deadline: float, what: str, rank: int) -> None:
     left = max(deadline - time.monotonic(), 0.001)
     try:
         work.wait(datetime.timedelta(seconds=left))
     except Exception as e:  # gloo reports a dead peer, a closed pair or a timeout as RuntimeError
-        # Time still left means the transport failed first: the group's own (shorter) timeout, or a peer
-        # that died or closed its connections.
-        why = ("timeout" if time.monotonic() >= deadline - 0.01 else "the process group's timeout, shorter than "
-               "this wait" if "timed out" in str(e).lower() else "a peer's connection closed: it died or gave up")
-        raise SyncError(f"rank {rank}: {what} failed before the sync's deadline ({left:.3g} s were left; "
-                        f"{why}): {e}. The process group is no longer usable: "
-                        "call bridge.rebuild_group(...) on every rank, then retry.") from e
+        raise _failure(e, deadline, left, what, rank) from e
+
+
+def _failure(e: Exception, deadline: float, left: float, what: str, rank: int) -> SyncError:
+    # Time still left means the transport failed first: the group's own (shorter) timeout, or a peer
+    # that died or closed its connections.
+    why = ("timeout" if time.monotonic() >= deadline - 0.01 else "the process group's timeout, shorter than "
+           "this wait" if "timed out" in str(e).lower() else "a peer's connection closed: it died or gave up")
+    return SyncError(f"rank {rank}: {what} failed before the sync's deadline ({left:.3g} s were left; "
+                     f"{why}): {e}. The process group is no longer usable: "
+                     "call bridge.rebuild_group(...) on every rank, then retry.")
+
+
+def _await(job: Callable[[], None], what: str, rank: int) -> None:
+    """Runs ``job`` (point-to-point waits, which bound themselves by the deadline). With an alarm, in the
+    alarm's helper thread, checking the alarm every slice: a gloo point-to-point wait that times out
+    closes its pair, so it cannot be cut into slices."""
+    alarm = _CURRENT.get()
+    if alarm is None:
+        return job()
+    fut = alarm.waiter.submit(job)
+    while True:
+        try:
+            return fut.result(timeout=SLICE)
+        except FutureTimeout:
+            _check_alarm(alarm, what, rank)
+        except SyncError as e:
+            raise _give_up(e) from e.__cause__
+
+
+def _check_alarm(alarm: _Current, what: str, rank: int) -> None:
+    heard = alarm.alarm.heard()
+    if heard is not None:
+        raise SyncError(f"rank {rank}: stopped waiting for {what}: another rank gave up and raised the sync's "
+                        f"alarm ({heard}). The process group is no longer usable: call bridge.rebuild_group(...) "
+                        "on every rank, then retry.")
+
+
+def _give_up(e: SyncError) -> SyncError:
+    """Raises the current sync's alarm (a transport failure: this rank stops taking part); returns ``e``."""
+    alarm = _CURRENT.get()
+    if alarm is not None:
+        alarm.alarm.ring(str(e))
+    return e
+
+
+class _Current(NamedTuple):
+    """The alarm of the sync this thread runs, and the thread that waits for its point-to-point works."""
+
+    alarm: Alarm
+    waiter: Waiter
+
+
+_CURRENT: ContextVar[_Current | None] = ContextVar("bridge_alarm", default=None)
+
+
+@contextlib.contextmanager
+def _alarm_for(group, rank: int, ranks: list[int]) -> Iterator[None]:
+    """Gives the sync run inside an alarm (none where the group's store is unknown); a failure that escapes
+    other than a SyncError (which rang it where it arose, if it ends this rank's part) raises it."""
+    store = store_of(group)
+    current = None
+    if store is not None:
+        try:
+            current = _Current(Alarm(store, rank, len(ranks)), Waiter())
+        except Exception as e:  # noqa: BLE001 (the sync then runs without one)
+            log.warning("rank %d: the sync runs without an alarm (the group's store failed: %s)", rank, e)
+    token = _CURRENT.set(current)
+    try:
+        yield
+    except SyncError:
+        raise
+    except BaseException as e:
+        _give_up(SyncError(f"rank {rank}: {type(e).__name__}: {e}"))
+        raise
+    finally:
+        _CURRENT.reset(token)
+        if current is not None:
+            current.waiter.close()
 
 
 def _handshake(plan: BridgePlan, rank: int, ranks: list[int], group, role: int, status: int, version: int,
@@ -322,198 +416,208 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
             f"the process group has ranks {ranks} but the plan involves ranks {sorted(needed)}; pass a "
             "group of exactly the trainer and inference ranks (torch.distributed.new_group)."
         )
-    start = time.perf_counter()
-    tally: dict[str, float] = dict.fromkeys(
-        ("sent", "received", "cross_domain_sent", "cross_domain_received", "pack", "vote", "post", "wait", "check",
-         "unpack", "handshake", "seconds"), 0.0)
-    if stats is not None:
-        stats.clear()
-        stats.update(tally)
-        tally = stats
-    version, checksum = _handshake(plan, rank, ranks, group, role, status, version, checksum,
-                                   time.monotonic() + ready_timeout)
-    every = 1 if checksum else vote_every(plan)
-    deadline = time.monotonic() + timeout
-    tally["handshake"] = time.perf_counter() - start
-    home = plan.domain_of(rank)
-    if arena is None:
-        arena = new_arena()  # [send|recv][parity] uint8 buffers of up to bucket_bytes
+    with _alarm_for(group, rank, ranks):
+        start = time.perf_counter()
+        tally: dict[str, float] = dict.fromkeys(
+            ("sent", "received", "cross_domain_sent", "cross_domain_received", "pack", "vote", "post", "wait", "check",
+             "unpack", "handshake", "seconds"), 0.0)
+        if stats is not None:
+            stats.clear()
+            stats.update(tally)
+            tally = stats
+        version, checksum = _handshake(plan, rank, ranks, group, role, status, version, checksum,
+                                       time.monotonic() + ready_timeout)
+        every = 1 if checksum else vote_every(plan)
+        deadline = time.monotonic() + timeout
+        tally["handshake"] = time.perf_counter() - start
+        home = plan.domain_of(rank)
+        if arena is None:
+            arena = new_arena()  # [send|recv][parity] uint8 buffers of up to bucket_bytes
 
-    def buffers(kind: int, b: int, msgs: list[Message]) -> list[torch.Tensor]:
-        total = sum(m.nbytes for m in msgs)
-        buf = arena[kind][b % 2]
-        if buf is None or buf.numel() < total or buf.device != torch.device(device):
-            buf = arena[kind][b % 2] = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
-        out, off = [], 0
-        for m in msgs:
-            out.append(buf[off:off + m.nbytes])
-            off += m.nbytes
-        return out
+        def buffers(kind: int, b: int, msgs: list[Message]) -> list[torch.Tensor]:
+            total = sum(m.nbytes for m in msgs)
+            buf = arena[kind][b % 2]
+            if buf is None or buf.numel() < total or buf.device != torch.device(device):
+                buf = arena[kind][b % 2] = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
+            out, off = [], 0
+            for m in msgs:
+                out.append(buf[off:off + m.nbytes])
+                off += m.nbytes
+            return out
 
-    def prepare(b: int) -> _Bucket:
-        sends, recvs = plan.sends(rank, b), plan.recvs(rank, b)
-        ops: list[_Op] = []
-        packed = []
-        for m, buf in zip(sends, buffers(0, b, sends), strict=True):
-            xs = pack(m, buf)
-            _check_sizes(plan, m, xs)
-            packed.append((m, xs))
-            ops += [_Op(dist.isend, m.dst, x) for x in xs]
-        rbufs = buffers(1, b, recvs)
-        rtensors = []
-        for m, buf in zip(recvs, rbufs, strict=True):
-            xs = recv(m, buf)
-            rtensors.append(xs)
-            ops += [_Op(dist.irecv, m.src, x) for x in xs]
-        return _Bucket(ops, recvs, rbufs, packed, rtensors)
+        def prepare(b: int) -> _Bucket:
+            sends, recvs = plan.sends(rank, b), plan.recvs(rank, b)
+            ops: list[_Op] = []
+            packed = []
+            for m, buf in zip(sends, buffers(0, b, sends), strict=True):
+                xs = pack(m, buf)
+                _check_sizes(plan, m, xs)
+                packed.append((m, xs))
+                ops += [_Op(dist.isend, m.dst, x) for x in xs]
+            rbufs = buffers(1, b, recvs)
+            rtensors = []
+            for m, buf in zip(recvs, rbufs, strict=True):
+                xs = recv(m, buf)
+                rtensors.append(xs)
+                ops += [_Op(dist.irecv, m.src, x) for x in xs]
+            return _Bucket(ops, recvs, rbufs, packed, rtensors)
 
-    def scratch(b: int) -> _Bucket:
-        """Bucket ``b`` of a rank that failed earlier, with no vote to announce it before the payload:
-        staging bytes of the planned sizes are sent and received (its peers post the same operations
-        for the bucket, and a wrong-size message never reaches gloo); nothing is unpacked."""
-        ops: list[_Op] = []
-        for kind, fn, msgs in ((0, dist.isend, plan.sends(rank, b)), (1, dist.irecv, plan.recvs(rank, b))):
-            for m, buf in zip(msgs, buffers(kind, b, msgs), strict=True):
-                ops += [_Op(fn, m.dst if kind == 0 else m.src, buf[s.start:s.stop]) for s in plan.segments(m)]
-        return _Bucket(ops, [], [], [], [])
+        def scratch(b: int) -> _Bucket:
+            """Bucket ``b`` of a rank that failed earlier, with no vote to announce it before the payload:
+            staging bytes of the planned sizes are sent and received (its peers post the same operations
+            for the bucket, and a wrong-size message never reaches gloo); nothing is unpacked."""
+            ops: list[_Op] = []
+            for kind, fn, msgs in ((0, dist.isend, plan.sends(rank, b)), (1, dist.irecv, plan.recvs(rank, b))):
+                for m, buf in zip(msgs, buffers(kind, b, msgs), strict=True):
+                    ops += [_Op(fn, m.dst if kind == 0 else m.src, buf[s.start:s.stop]) for s in plan.segments(m)]
+            return _Bucket(ops, [], [], [], [])
 
-    def post(state: _Bucket, b: int) -> list:
-        ops = [dist.P2POp(op.fn, op.buf, op.peer, group) for op in state.ops]
-        for op in state.ops:
-            n = op.buf.numel() * op.buf.element_size()
-            way = "sent" if op.fn is dist.isend else "received"
-            tally[way] += n
-            if plan.domain_of(op.peer) != home:
-                tally["cross_domain_" + way] += n
-        try:
-            return dist.batch_isend_irecv(ops) if ops else []
-        except RuntimeError as e:  # gloo fails at once when a peer's connection is already closed
-            raise SyncError(f"rank {rank}: posting bucket {b + 1}/{plan.num_buckets} failed: {e}") from e
+        def post(state: _Bucket, b: int) -> list:
+            ops = [dist.P2POp(op.fn, op.buf, op.peer, group) for op in state.ops]
+            for op in state.ops:
+                n = op.buf.numel() * op.buf.element_size()
+                way = "sent" if op.fn is dist.isend else "received"
+                tally[way] += n
+                if plan.domain_of(op.peer) != home:
+                    tally["cross_domain_" + way] += n
+            try:
+                return dist.batch_isend_irecv(ops) if ops else []
+            except RuntimeError as e:  # gloo fails at once when a peer's connection is already closed
+                raise _give_up(SyncError(f"rank {rank}: posting bucket {b + 1}/{plan.num_buckets} failed: {e}")) from e
 
-    def cast(b: int, state: _Bucket | None, mine: Status, sums: Future | None) -> _Ballot:
-        """Posts this rank's row of the vote on bucket ``b`` (``nb``: the final ack); ``count`` waits for it."""
-        length = _vote.row_length(plan, b, ranks)
-        row = _vote.make_row(plan, b, length, mine, state.sends if state is not None else [], checksum,
-                             sums.result() if sums is not None else None)
-        table = [torch.empty_like(row) for _ in ranks]
-        return _Ballot(dist.all_gather(table, row, group=group, async_op=True), table)
+        def cast(b: int, state: _Bucket | None, mine: Status, sums: Future | None) -> _Ballot:
+            """Posts this rank's row of the vote on bucket ``b`` (``nb``: the final ack); ``count`` waits for it."""
+            length = _vote.row_length(plan, b, ranks)
+            row = _vote.make_row(plan, b, length, mine, state.sends if state is not None else [], checksum,
+                                 sums.result() if sums is not None else None)
+            table = [torch.empty_like(row) for _ in ranks]
+            return _Ballot(dist.all_gather(table, row, group=group, async_op=True), table)
 
-    def count(b: int, ballot: _Ballot) -> dict[tuple[int, int], int]:
-        """Waits for the vote on bucket ``b``; raises the verdict's SyncError, else returns the digests announced."""
-        table = ballot.table
-        what = f"the vote on bucket {b + 1}/{nb}" if b < nb else "the final ack"
-        _wait(ballot.work, deadline, what, rank)
-        if b == nb and time.monotonic() > deadline - min(0.5, 0.05 * timeout):
-            # The others give up at the deadline: committing now could leave receivers on different versions.
-            raise SyncError(f"rank {rank}: the final ack completed at the sync's deadline, when other ranks may "
-                            "already have given up; nothing was committed. The process group is no longer "
-                            "usable: call bridge.rebuild_group(...) on every rank, then retry.")
-        failure = _vote.verdict(plan, b, ranks, table)
-        if failure is not None:
-            raise SyncError(_vote.describe(plan, rank, failure))
-        return _vote.expected_digests(plan, b, rank, ranks, table) if b < nb else {}
+        def count(b: int, ballot: _Ballot) -> dict[tuple[int, int], int]:
+            """Waits for the vote on bucket ``b``; raises the verdict's SyncError, else returns the digests
+            announced."""
+            table = ballot.table
+            what = f"the vote on bucket {b + 1}/{nb}" if b < nb else "the final ack"
+            _wait(ballot.work, deadline, what, rank)
+            if b == nb and time.monotonic() > deadline - min(0.5, 0.05 * timeout):
+                # The others give up at the deadline: committing now could leave receivers on different versions.
+                raise _give_up(SyncError(
+                    f"rank {rank}: the final ack completed at the sync's deadline, when other ranks may already "
+                    "have given up; nothing was committed. The process group is no longer usable: call "
+                    "bridge.rebuild_group(...) on every rank, then retry."))
+            failure = _vote.verdict(plan, b, ranks, table)
+            if failure is not None:
+                raise SyncError(_vote.describe(plan, rank, failure))
+            return _vote.expected_digests(plan, b, rank, ranks, table) if b < nb else {}
 
-    def check(state: _Bucket, b: int, expected: dict[tuple[int, int], int]) -> Status:
-        for m, xs in zip(state.recvs, state.rtensors, strict=True):
-            like = {i: expected.get((m.src, i), _vote.UNCHECKED) for i, _ in m.pieces}
-            got = _vote.digests(plan, m, xs, like) if any(like.values()) else []
-            for (i, _), d in zip(m.pieces, got, strict=False):
-                want = expected.get((m.src, i), _vote.UNCHECKED)
-                if want != _vote.UNCHECKED and d != _vote.UNCHECKED and d != want:
-                    return Status(Code.CHECKSUM, b, m.src, i, "checksum mismatch")
-        return Status()
+        def check(state: _Bucket, b: int, expected: dict[tuple[int, int], int]) -> Status:
+            for m, xs in zip(state.recvs, state.rtensors, strict=True):
+                like = {i: expected.get((m.src, i), _vote.UNCHECKED) for i, _ in m.pieces}
+                got = _vote.digests(plan, m, xs, like) if any(like.values()) else []
+                for (i, _), d in zip(m.pieces, got, strict=False):
+                    want = expected.get((m.src, i), _vote.UNCHECKED)
+                    if want != _vote.UNCHECKED and d != _vote.UNCHECKED and d != want:
+                        return Status(Code.CHECKSUM, b, m.src, i, "checksum mismatch")
+            return Status()
 
-    def failed(b: int, e: Exception) -> Status:
-        log.exception("rank %d failed in bucket %d", rank, b + 1)
-        return Status(Code.ERROR, b, -1, -1, f"{type(e).__name__}: {e}")
+        def failed(b: int, e: Exception) -> Status:
+            log.exception("rank %d failed in bucket %d", rank, b + 1)
+            return Status(Code.ERROR, b, -1, -1, f"{type(e).__name__}: {e}")
 
-    def unpack_all(state: _Bucket | None, b: int, mine: Status) -> Status:
-        if state is None or mine.code != Code.OK:
+        def unpack_all(state: _Bucket | None, b: int, mine: Status) -> Status:
+            if state is None or mine.code != Code.OK:
+                return mine
+            try:
+                for m, buf in zip(state.recvs, state.rbufs, strict=True):
+                    unpack(m, buf)
+            except Exception as e:  # announced in the next vote
+                return failed(b, e)
+            if bar is not None:
+                bar.update(sum(op.buf.numel() * op.buf.element_size() for op in state.ops))
             return mine
+
+        nb = plan.num_buckets
+        bar = _progress(progress, sum(m.nbytes for m in plan.messages if rank in (m.src, m.dst)), rank)
+        mine: Status = Status()
+        cur: _Bucket | None = None
+        works: list = []
+        expected: dict[tuple[int, int], int] = {}
+        clock = time.perf_counter
+
+        def timed(step: str, fn: Callable[..., Any], *args: Any) -> Any:
+            t0 = clock()
+            try:
+                return fn(*args)
+            finally:
+                tally[step] += clock() - t0
+
+        def wait_all(works: list, state: _Bucket | None, b: int) -> None:
+            pairs = list(zip(works, state.ops if state is not None else list[_Op](), strict=True))
+
+            def job() -> None:
+                for w, op in pairs:
+                    _wait_once(w, deadline, f"bucket {b}/{nb} with peer rank {op.peer}", rank)
+
+            if pairs:
+                _await(job, f"bucket {b}/{nb}", rank)
+
+        def finish(state: _Bucket | None, b: int, mine: Status, expected: dict) -> Status:
+            """Checks the digests of bucket ``b`` (``state``, arrived), then unpacks it."""
+            if state is not None and mine.code == Code.OK:
+                mine = timed("check", check, state, b, expected)
+            return timed("unpack", unpack_all, state, b, mine)
+
+        # The digests of what this rank sends in a bucket are computed in a thread (xxhash releases the
+        # GIL) while it waits for the previous bucket; the vote carries them.
+        hasher = ThreadPoolExecutor(1, thread_name_prefix="bridge-digests") if checksum else None
         try:
-            for m, buf in zip(state.recvs, state.rbufs, strict=True):
-                unpack(m, buf)
-        except Exception as e:  # announced in the next vote
-            return failed(b, e)
-        if bar is not None:
-            bar.update(sum(op.buf.numel() * op.buf.element_size() for op in state.ops))
-        return mine
-
-    nb = plan.num_buckets
-    bar = _progress(progress, sum(m.nbytes for m in plan.messages if rank in (m.src, m.dst)), rank)
-    mine: Status = Status()
-    cur: _Bucket | None = None
-    works: list = []
-    expected: dict[tuple[int, int], int] = {}
-    clock = time.perf_counter
-
-    def timed(step: str, fn: Callable[..., Any], *args: Any) -> Any:
-        t0 = clock()
-        try:
-            return fn(*args)
-        finally:
-            tally[step] += clock() - t0
-
-    def wait_all(works: list, state: _Bucket | None, b: int) -> None:
-        for w, op in zip(works, state.ops if state is not None else list[_Op](), strict=True):
-            _wait(w, deadline, f"bucket {b}/{nb} with peer rank {op.peer}", rank)
-
-    def finish(state: _Bucket | None, b: int, mine: Status, expected: dict) -> Status:
-        """Checks the digests of bucket ``b`` (``state``, arrived), then unpacks it."""
-        if state is not None and mine.code == Code.OK:
-            mine = timed("check", check, state, b, expected)
-        return timed("unpack", unpack_all, state, b, mine)
-
-    # The digests of what this rank sends in a bucket are computed in a thread (xxhash releases the
-    # GIL) while it waits for the previous bucket; the vote carries them.
-    hasher = ThreadPoolExecutor(1, thread_name_prefix="bridge-digests") if checksum else None
-    try:
-        # Bucket b+1 is packed while bucket b is on the wire, and bucket b is checked and unpacked
-        # while bucket b+1 is; a failure there is announced in the vote after. Each bucket's payload
-        # is posted only after every rank voted for it.
-        for b in range(nb + 1):
-            if b == plan.stage2_bucket:  # stage 2 forwards what stage 1 delivered: finish stage 1 first
+            # Bucket b+1 is packed while bucket b is on the wire, and bucket b is checked and unpacked
+            # while bucket b+1 is; a failure there is announced in the vote after. Each bucket's payload
+            # is posted only after every rank voted for it.
+            for b in range(nb + 1):
+                if b == plan.stage2_bucket:  # stage 2 forwards what stage 1 delivered: finish stage 1 first
+                    timed("wait", wait_all, works, cur, b)
+                    mine = finish(cur, b - 1, mine, expected)
+                    cur, works = None, []
+                nxt, sums = None, None
+                voting = b == nb or every == 1 or (b > 0 and b % every == 0)
+                if b < nb and mine.code == Code.OK:
+                    try:
+                        nxt = timed("pack", prepare, b)
+                    except _WrongCount as e:  # announced in the next vote as a wrong-size message
+                        mine = e.status
+                    except Exception as e:  # announced in the next vote
+                        mine = failed(b, e)
+                if b < nb and nxt is None and not voting:  # a failure, announced in the next vote
+                    nxt = scratch(b)
+                if nxt is not None and hasher is not None and nxt.sends:
+                    sums = hasher.submit(_vote.send_digests, plan, nxt.sends, True)
+                # The vote on bucket b travels while bucket b-1 is on the wire. Not the final ack, which
+                # announces the check and unpacking of the last bucket, nor a vote that carries digests
+                # (computed in the hasher thread meanwhile).
+                early = timed("vote", cast, b, nxt, mine, sums) if voting and b < nb and sums is None else None
                 timed("wait", wait_all, works, cur, b)
-                mine = finish(cur, b - 1, mine, expected)
-                cur, works = None, []
-            nxt, sums = None, None
-            voting = b == nb or every == 1 or (b > 0 and b % every == 0)
-            if b < nb and mine.code == Code.OK:
-                try:
-                    nxt = timed("pack", prepare, b)
-                except _WrongCount as e:  # announced in the next vote as a wrong-size message
-                    mine = e.status
-                except Exception as e:  # announced in the next vote
-                    mine = failed(b, e)
-            if b < nb and nxt is None and not voting:  # a failure, announced in the next vote
-                nxt = scratch(b)
-            if nxt is not None and hasher is not None and nxt.sends:
-                sums = hasher.submit(_vote.send_digests, plan, nxt.sends, True)
-            # The vote on bucket b travels while bucket b-1 is on the wire. Not the final ack, which
-            # announces the check and unpacking of the last bucket, nor a vote that carries digests
-            # (computed in the hasher thread meanwhile).
-            early = timed("vote", cast, b, nxt, mine, sums) if voting and b < nb and sums is None else None
-            timed("wait", wait_all, works, cur, b)
-            if b == nb:  # the last bucket is checked and unpacked before the final ack, which announces a failure
-                mine = finish(cur, b - 1, mine, expected)
-            new_expected = {}
-            if voting:
-                ballot = early if early is not None else timed("vote", cast, b, nxt, mine, sums)
-                new_expected = timed("vote", count, b, ballot)
-            works = timed("post", post, nxt, b) if nxt is not None else []
-            if b < nb:
-                mine = finish(cur, b - 1, mine, expected)
-            cur, expected = nxt, new_expected
-    finally:
-        if hasher is not None:
-            hasher.shutdown(wait=True, cancel_futures=True)
-        if bar is not None:
-            bar.close()
-    elapsed = tally["seconds"] = time.perf_counter() - start
-    nbytes = sum(m.nbytes for m in plan.messages if rank in (m.src, m.dst))
-    log.info("rank %d synced version %d: %s bytes in %d buckets, %.3f s (%.2f GB/s, pid %d)",
-             rank, version, f"{nbytes:,}", plan.num_buckets, elapsed, nbytes / max(elapsed, 1e-9) / 1e9, os.getpid())
-    return version
+                if b == nb:  # the last bucket is checked and unpacked before the final ack, which announces a failure
+                    mine = finish(cur, b - 1, mine, expected)
+                new_expected = {}
+                if voting:
+                    ballot = early if early is not None else timed("vote", cast, b, nxt, mine, sums)
+                    new_expected = timed("vote", count, b, ballot)
+                works = timed("post", post, nxt, b) if nxt is not None else []
+                if b < nb:
+                    mine = finish(cur, b - 1, mine, expected)
+                cur, expected = nxt, new_expected
+        finally:
+            if hasher is not None:
+                hasher.shutdown(wait=True, cancel_futures=True)
+            if bar is not None:
+                bar.close()
+        elapsed = tally["seconds"] = time.perf_counter() - start
+        nbytes = sum(m.nbytes for m in plan.messages if rank in (m.src, m.dst))
+        log.info("rank %d synced version %d: %s bytes in %d buckets, %.3f s (%.2f GB/s, pid %d)",
+                 rank, version, f"{nbytes:,}", plan.num_buckets, elapsed, nbytes / max(elapsed, 1e-9) / 1e9,
+                 os.getpid())
+        return version
 
 
 class _WrongCount(Exception):

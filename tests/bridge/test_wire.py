@@ -82,3 +82,28 @@ def test_stalled_sender_fails_the_receiver_in_time_without_touching_weights(even
 
 def test_in_place_sync_after_recreating_the_group(events):
     assert events[1]["inplace"] == {"version": 3, "consistent": True, "exact": True}
+
+
+def test_a_survivor_with_no_operation_pending_with_the_dead_rank_hears_the_alarm(tmp_path):
+    from tests.bridge.wire_worker import ALARM_TIMEOUT
+
+    port, env = str(C.free_port()), C.worker_env()
+    procs = []
+    for r in (0, 1, 2):
+        with open(tmp_path / f"alarm{r}.log", "w") as log:
+            procs.append(subprocess.Popen([sys.executable, str(WORKER), "--rank", str(r), "--port", port, "--out",
+                                           str(tmp_path), "--alarm"], env=env, stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+    try:
+        C.wait_all(procs, 60)
+    finally:
+        C.kill_all(procs)
+    logs = C.read_logs(tmp_path)
+    assert [p.returncode for p in procs] == [0, -9, 0], logs
+    sender, survivor = (json.loads((tmp_path / f"alarm{r}.json").read_text()) for r in (0, 2))
+    assert sender["first_to_2"] > 1, sender  # rank 0 gives up before it sends anything to rank 2
+    assert sender["ok"] is False and "killed" in sender, sender
+    assert survivor["ok"] is False, survivor
+    # gloo tells rank 2 nothing (its only peer, rank 0, is alive): without the alarm it raises at its deadline.
+    assert survivor["raised"] - sender["killed"] < 2.0 < ALARM_TIMEOUT, (survivor, sender)
+    assert "raised the sync's alarm (rank 0: " in survivor["message"], survivor

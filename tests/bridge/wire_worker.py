@@ -12,6 +12,12 @@ JAX Sender), so the protocol's failure handling is tested in seconds. Phases:
   stall    the sender joins, then stalls past the receiver's timeout: the receiver fails in time,
            its weights and version unchanged
   inplace  after recreating the group, an in-place (atomic=False) sync succeeds
+
+With ``--alarm`` three processes run one sync instead: rank 0 sends to receivers 1 and 2 (rank 2's
+messages come in later buckets). While packing bucket 2 the sender kills rank 1, then gives up (its
+operation with the dead rank fails) before it sends rank 2 anything, and stays alive. Rank 2 never had
+an operation with rank 1, and rank 0's connections stay open, so gloo tells rank 2 nothing: only the
+sync's alarm does (``bridge._alarm``), long before its deadline (``ALARM_TIMEOUT``).
 """
 
 from __future__ import annotations
@@ -34,14 +40,15 @@ from jreshard import Layout  # noqa: E402
 
 STALL_TIMEOUT = 2.0
 FAULTS = ("pack_error", "truncate", "unpack_error")  # each in bucket 2 (index 1)
+ALARM_TIMEOUT = 8.0
 
 
-def make_plan() -> tuple[bridge.BridgePlan, dict[str, np.ndarray]]:
+def make_plan(receivers: tuple[int, ...] = (1,)) -> tuple[bridge.BridgePlan, dict[str, np.ndarray]]:
     mesh = bridge.trainer_mesh((2,), "fsdp", [0], 2)
     src = bridge.Source({"w": Layout((64, 48), mesh, ("fsdp",), "float32"),
                          "v": Layout((48,), mesh, (), "float32")})
     rules = [bridge.Rule("w", "linear.weight", transpose=True, shard=None), bridge.Rule("v", "norm.weight")]
-    plan = bridge.BridgePlan(src, bridge.tp_param_map(src, rules, [1], dtype="bfloat16"), bucket_bytes=2048)
+    plan = bridge.BridgePlan(src, bridge.tp_param_map(src, rules, list(receivers), dtype="bfloat16"), bucket_bytes=2048)
     rng = np.random.default_rng(0)
     return plan, {"w": rng.standard_normal((64, 48), dtype=np.float32), "v": rng.standard_normal(48, dtype=np.float32)}
 
@@ -63,13 +70,55 @@ def sender(plan, arrays, stall: float, fault: str = ""):
     return pack
 
 
+def alarm_main(rank: int, port: int, out: str) -> None:
+    """Rank 0 kills rank 1 while packing bucket 2; rank 2 hears of it through the alarm."""
+    plan, arrays = make_plan((1, 2))
+    if rank == 1:
+        with open(os.path.join(out, "victim.pid"), "w") as f:
+            f.write(str(os.getpid()))
+    bridge.init_group(rank, 3, port=port, timeout=30)
+    events: dict = {"buckets": plan.num_buckets,  # the first bucket with a message to rank 2
+                    "first_to_2": min(b for b in range(plan.num_buckets) if 2 in [m.dst for m in plan.sends(0, b)])}
+    t0 = time.perf_counter()
+    try:
+        if rank == 0:
+            pack = sender(plan, arrays, 0.0)
+
+            def killing(m, buf):
+                if m.bucket == 1 and "killed" not in events:
+                    with open(os.path.join(out, "victim.pid")) as f:
+                        os.kill(int(f.read()), 9)
+                    events["killed"] = time.time()
+                    time.sleep(0.5)  # the dead rank's connections are closed by now
+                return pack(m, buf)
+
+            run_sync(plan, 0, None, role=SENDER, version=1, status=0, timeout=ALARM_TIMEOUT, ready_timeout=30,
+                     pack=killing, recv=None, unpack=None)
+        else:
+            params = {p.name: torch.zeros(p.shape, dtype=torch.bfloat16) for p in plan.param_map.for_rank(rank)}
+            bridge.Receiver(plan, params, rank=rank, timeout=ALARM_TIMEOUT).sync()
+        events["ok"] = True
+    except bridge.SyncError as e:
+        events.update(ok=False, message=str(e), raised=time.time(), seconds=time.perf_counter() - t0)
+    with open(os.path.join(out, f"alarm{rank}.json"), "w") as f:
+        json.dump(events, f)
+    # Rank 0 stays alive, its connections open, until rank 2 is done (a trainer that gave up goes on).
+    while rank == 0 and time.perf_counter() - t0 < ALARM_TIMEOUT + 5 and not os.path.exists(
+            os.path.join(out, "alarm2.json")):
+        time.sleep(0.05)
+    os._exit(0)  # the group is broken: nothing to shut down cleanly
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--port2", type=int, required=True)
+    ap.add_argument("--port2", type=int, default=0)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--alarm", action="store_true")
     args = ap.parse_args()
+    if args.alarm:
+        return alarm_main(args.rank, args.port, args.out)
     plan, arrays = make_plan()
     events: dict = {"buckets": plan.num_buckets}
     bridge.init_group(args.rank, 2, port=args.port, timeout=30)
