@@ -43,7 +43,9 @@ The handshake waits up to ``ready_timeout`` for every rank to join (a trainer ma
 still be computing its step); gloo also bounds it by the process group's timeout.
 After it, one deadline (``timeout`` seconds) bounds the whole sync: every bucket and
 the final ack. A peer that dies while others wait breaks its connections, which fails
-the wait at once on every survivor.
+the wait at once on every survivor that has an operation pending with it; a rank that
+gives up so raises the sync's alarm (``bridge._alarm``), which every other rank checks
+while it waits.
 
 After a ``SyncError`` raised by a vote (a rank's exception, corrupt or wrong-size data)
 nothing is in flight and the group can run the next sync. After a timeout or a dead
@@ -220,7 +222,7 @@ def _wait(work, deadline: float, what: str, rank: int) -> None:
         except Exception as e:  # a slice that ran out leaves a gloo collective running and not completed
             if work.is_completed():
                 raise _give_up(_failure(e, deadline, deadline - time.monotonic(), what, rank)) from e
-        _check_alarm(alarm, what, rank)
+        _check_alarm(alarm, what, rank, work.is_completed)
     try:
         return _wait_once(work, deadline, what, rank)
     except SyncError as e:
@@ -257,14 +259,16 @@ def _await(job: Callable[[], None], what: str, rank: int) -> None:
         try:
             return fut.result(timeout=SLICE)
         except FutureTimeout:
-            _check_alarm(alarm, what, rank)
+            _check_alarm(alarm, what, rank, fut.done)
         except SyncError as e:
             raise _give_up(e) from e.__cause__
 
 
-def _check_alarm(alarm: _Current, what: str, rank: int) -> None:
+def _check_alarm(alarm: _Current, what: str, rank: int, done: Callable[[], bool]) -> None:
+    """Raises if another rank raised the alarm, unless what this rank waits for completed meanwhile (the
+    others may have finished the sync, and the store's host exited)."""
     heard = alarm.alarm.heard()
-    if heard is not None:
+    if heard is not None and not done():
         raise SyncError(f"rank {rank}: stopped waiting for {what}: another rank gave up and raised the sync's "
                         f"alarm ({heard}). The process group is no longer usable: call bridge.rebuild_group(...) "
                         "on every rank, then retry.")
