@@ -5,15 +5,18 @@ rank whose pending operations are all with live ranks that already gave up (they
 so they no longer take part, but their connections stay open) would hear nothing until the
 sync's deadline. So a rank whose sync fails in the transport (a dead peer, the deadline, the
 group's timeout, a post that failed) sets one key in the group's store, unique to the sync,
-and every rank checks that key while it waits: each survivor raises within about
-``SLICE`` seconds plus a store round trip of the first failure, naming the rank that
-raised the alarm and why. A store that cannot be reached (its host died) counts as an alarm.
+and every rank checks that key while it waits for a bucket: each survivor raises within about
+``SLICE`` seconds plus a store round trip of the first failure, naming the rank that raised
+the alarm and why. A store that cannot be reached (its host died) counts as an alarm.
 
-Collectives (``all_gather``) are waited for in slices of ``SLICE`` seconds: a gloo collective's
-wait that times out leaves the operation running. A point-to-point wait that times out
-closes gloo's pair, and such works have no ``is_completed`` before their ``wait``, so they
-are waited for in a helper thread while this one checks the alarm every slice. A wait
-shorter than a slice costs no store round trip.
+A point-to-point wait that times out closes gloo's pair, and such works have no
+``is_completed`` before their ``wait``, so a bucket's works are waited for in a helper thread
+while the sync's thread checks the alarm every slice; a wait shorter than a slice costs no
+store round trip. Collectives (the handshake, votes, the final ack) are not cut short: one
+left running in gloo's worker thread would hold up ``destroy_process_group`` until the
+group's timeout, and keep this rank's connections open, so the ranks waiting for it would
+not fail either. A rank that gives up and rebuilds its group closes its connections, which
+fails its peers' collectives.
 
 A group the store of which torch.distributed does not know (``bridge.vllm._group.open_group``)
 gets no alarm: its waits behave as before (a survivor may wait for the deadline).
@@ -117,6 +120,9 @@ class Waiter:
                     fut.set_result(fn())
                 except BaseException as e:  # noqa: BLE001 (handed to the caller)
                     fut.set_exception(e)
+            # Hold nothing of a finished wait: its works keep the process group alive, and a group still
+            # referenced keeps its connections open when destroyed, so its peers would not fail.
+            del job, fut, fn
 
     def submit(self, fn: Callable[[], Any]) -> Future:
         fut: Future = Future()

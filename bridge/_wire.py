@@ -45,7 +45,7 @@ After it, one deadline (``timeout`` seconds) bounds the whole sync: every bucket
 the final ack. A peer that dies while others wait breaks its connections, which fails
 the wait at once on every survivor that has an operation pending with it; a rank that
 gives up so raises the sync's alarm (``bridge._alarm``), which every other rank checks
-while it waits.
+while it waits for a bucket.
 
 After a ``SyncError`` raised by a vote (a rank's exception, corrupt or wrong-size data)
 nothing is in flight and the group can run the next sync. After a timeout or a dead
@@ -211,20 +211,14 @@ def _header(role: int, status: int, version: int, digests: bool, fingerprint: by
 
 def _wait(work, deadline: float, what: str, rank: int) -> None:
     """Waits for the collective ``work`` until ``deadline`` (``time.monotonic()`` seconds), the sync's one
-    deadline. With an alarm (``bridge._alarm``) it waits in slices and raises once another rank gave up."""
-    alarm = _CURRENT.get()
-    if alarm is None:
-        return _wait_once(work, deadline, what, rank)
-    while deadline - time.monotonic() > SLICE:
-        try:
-            work.wait(datetime.timedelta(seconds=SLICE))
-            return None
-        except Exception as e:  # a slice that ran out leaves a gloo collective running and not completed
-            if work.is_completed():
-                raise _give_up(_failure(e, deadline, deadline - time.monotonic(), what, rank)) from e
-        _check_alarm(alarm, what, rank, work.is_completed)
+    deadline; a failure raises the sync's alarm (``bridge._alarm``).
+
+    A collective is not abandoned on an alarm: left running in gloo's worker thread, it would hold up
+    ``destroy_process_group`` (so ``rebuild_group``) until the group's own timeout, and this rank's
+    connections would stay open, so the ranks that wait for it would not fail either.
+    """
     try:
-        return _wait_once(work, deadline, what, rank)
+        _wait_once(work, deadline, what, rank)
     except SyncError as e:
         raise _give_up(e) from e.__cause__
 
@@ -255,13 +249,16 @@ def _await(job: Callable[[], None], what: str, rank: int) -> None:
     if alarm is None:
         return job()
     fut = alarm.waiter.submit(job)
-    while True:
-        try:
-            return fut.result(timeout=SLICE)
-        except FutureTimeout:
-            _check_alarm(alarm, what, rank, fut.done)
-        except SyncError as e:
-            raise _give_up(e) from e.__cause__
+    try:
+        while True:
+            try:
+                return fut.result(timeout=SLICE)
+            except FutureTimeout:
+                _check_alarm(alarm, what, rank, fut.done)
+            except SyncError as e:
+                raise _give_up(e) from e.__cause__
+    finally:
+        del fut  # the error's traceback holds this frame: no cycle that keeps the works (and the group) alive
 
 
 def _check_alarm(alarm: _Current, what: str, rank: int, done: Callable[[], bool]) -> None:
