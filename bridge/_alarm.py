@@ -18,8 +18,9 @@ group's timeout, and keep this rank's connections open, so the ranks waiting for
 not fail either. A rank that gives up and rebuilds its group closes its connections, which
 fails its peers' collectives.
 
-A group the store of which torch.distributed does not know (``bridge.vllm._group.open_group``)
-gets no alarm: its waits behave as before (a survivor may wait for the deadline).
+A group built outside torch.distributed's registry gets its store through ``register_store``
+(``bridge.vllm._group.open_group`` does); a group whose store is known neither way gets no alarm:
+its waits behave as before (a survivor may wait for the deadline).
 
 Example (a one-rank group on a local store):
   >>> import torch.distributed as dist
@@ -47,7 +48,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["Alarm", "Waiter", "SLICE", "store_of"]
+__all__ = ["Alarm", "Waiter", "SLICE", "store_of", "register_store", "forget_store"]
 
 log = logging.getLogger("bridge")
 
@@ -56,8 +57,25 @@ _COUNTER = "bridge/syncs"
 _LONGEST = 500  # characters of the reason kept in the store
 
 
+# Stores of groups built outside torch.distributed's registry (bridge.vllm._group.open_group).
+_OWN_STORES: dict[Any, Any] = {}
+
+
+def register_store(group: Any, store: Any) -> None:
+    """Gives a group that torch.distributed does not register (built from a ``ProcessGroup``) its store."""
+    _OWN_STORES[group] = store
+
+
+def forget_store(group: Any) -> None:
+    """Undoes ``register_store`` (when the group is closed)."""
+    _OWN_STORES.pop(group, None)
+
+
 def store_of(group: Any) -> Any:
-    """The store of ``group`` (default: the default group) that torch.distributed registered, else None."""
+    """The store of ``group`` (default: the default group): one given to ``register_store``, else the one
+    torch.distributed registered, else None."""
+    if group is not None and group in _OWN_STORES:
+        return _OWN_STORES[group]
     try:
         c10d = dist.distributed_c10d
         pg = group if group is not None else c10d._get_default_group()

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from bridge import _alarm
+
 __all__ = ["open_group", "close_group", "all_gather_json", "all_gather_ints", "wire_seconds"]
 
 _STORES: dict[dist.ProcessGroup, dist.TCPStore] = {}
@@ -64,6 +66,7 @@ def open_group(host: str, port: int, rank: int, world_size: int, *, timeout: flo
     # torch.distributed's P2POp and get_process_group_ranks translate them without a default group.
     c10d._world.pg_group_ranks[pg] = {r: r for r in range(world_size)}
     _STORES[pg] = store  # rank 0's store server lives as long as the group
+    _alarm.register_store(pg, prefix)  # a sync on this group can raise its alarm (bridge._alarm)
     return pg
 
 
@@ -73,6 +76,7 @@ def close_group(pg: dist.ProcessGroup | None) -> None:
         return
     c10d._world.pg_group_ranks.pop(pg, None)
     _STORES.pop(pg, None)
+    _alarm.forget_store(pg)
     with contextlib.suppress(RuntimeError, AttributeError):  # already broken by a dead peer, or an older torch
         pg.shutdown()
 

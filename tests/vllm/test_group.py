@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from bridge._alarm import Alarm, store_of
 from bridge._wire import SyncError, _group_ranks
 from bridge.vllm._group import all_gather_json, close_group, open_group
 
@@ -25,6 +26,21 @@ def test_a_group_from_open_group_needs_no_default_group(no_default_group):
         assert all_gather_json({"rank": 0}, pg, timeout=10, what="a test") == [{"rank": 0}]
     finally:
         close_group(pg)
+
+
+def test_a_group_from_open_group_has_an_alarm_until_closed(no_default_group):
+    pg = open_group("127.0.0.1", 0, 0, 1, timeout=10)
+    try:
+        store = store_of(pg)
+        assert store is not None
+        alarm = Alarm(store, 0, 1)
+        assert not alarm.heard()
+        alarm.ring("a test")
+        assert alarm.heard()
+        assert not Alarm(store, 0, 1).heard()  # the next sync has a key of its own
+    finally:
+        close_group(pg)
+    assert store_of(pg) is None
 
 
 def test_an_unregistered_group_is_refused_before_any_wait(no_default_group):
