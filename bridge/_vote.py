@@ -29,7 +29,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from bridge import _digest as _digest_mod
+from bridge._digest import digest
 from bridge._plan import BridgePlan, Message
 
 __all__ = ["Code", "Status", "Failure", "row_length", "make_row", "send_digests", "verdict", "digests",
@@ -78,11 +78,6 @@ def row_length(plan: BridgePlan, bucket: int, ranks: Sequence[int]) -> int:
     return HEAD + max((sum(_layout(plan, bucket, r)) for r in ranks), default=0)
 
 
-def _digest(t: torch.Tensor, like: int | None = None) -> int:
-    """xxh3-64 in host memory, a sum on the tensor's own device elsewhere (``bridge._digest``)."""
-    return _digest_mod.digest(t, like)
-
-
 def digests(plan: BridgePlan, m: Message, tensors: Sequence[torch.Tensor],
             like: dict[int, int] | None = None) -> list[int]:
     """The digest of every piece of ``m`` in ``tensors``, one tensor per segment (bytes ``[start, stop)``);
@@ -92,7 +87,7 @@ def digests(plan: BridgePlan, m: Message, tensors: Sequence[torch.Tensor],
         flat = t.reshape(-1).view(torch.uint8) if t.is_contiguous() else t.contiguous().reshape(-1).view(torch.uint8)
         for i, off in members:
             n = plan.moves[i].nbytes
-            out.append(_digest(flat[off - seg.start:off - seg.start + n], (like or {}).get(i)))
+            out.append(digest(flat[off - seg.start:off - seg.start + n], (like or {}).get(i)))
     return out
 
 
