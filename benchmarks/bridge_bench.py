@@ -9,6 +9,8 @@ over gloo. The weights are float32 in JAX and bfloat16 on the inference ranks.
              byte counts checked, no digests; atomic commit by copy on the receivers)
   swap       the same with Receiver(swap=True): the atomic commit swaps storage (no copy), so
              what is left over the floor is the protocol itself (votes, buckets, staging)
+  atomic=False the same with Receiver(atomic=False): received in place, no shadow, no commit
+             (a failed sync leaves mixed weights): the atomic commit's cost, beside swap's
   checksum   the defaults with Sender(checksum=True): xxh3 digests of every byte checked
   gather     what RL stacks do today: per tensor, gather the full tensor on trainer 0
              (a jitted all-gather to a replicated sharding), cast to bfloat16, broadcast it to
@@ -23,6 +25,13 @@ over gloo. The weights are float32 in JAX and bfloat16 on the inference ranks.
              the raw p2p, then each receiver copies as many bytes as the bridge must unpack
              (pieces not contiguous in its targets). Contiguous copies, in sequence, no
              protocol, no staging: what the layout costs on this machine, whoever does it
+  floor with the layout's copies
+             the floor with the real copies instead of contiguous ones of as many bytes: the
+             same pieces the bridge packs and unpacks, addressed as it addresses them
+             (BridgePlan.segments / segment_pieces, src_region, param_box, view_of), copied
+             strided from and to preallocated tensors of the real shapes (the shards, cast and
+             transposed, and the params), views built beforehand; in sequence, no protocol, no
+             staging. Each rank prints the bytes it copies beside those of the floor's copy
 
 With ``--hierarchical`` it runs instead 2 trainer processes and 2 "nodes" of 2 inference ranks
 (ranks 2, 3 and 4, 5; TP1, four replicas, two per node) and times the bridge with
@@ -33,12 +42,15 @@ so the time shows the cost of the second stage, not a network's saving
 (benchmarks/cluster_bench.py runs the same on shaped links).
 
 Every run also prints where each rank's bridge time goes (``Sender.stats`` / ``Receiver.stats`` of
-the last repetition: packing, votes, posting, waiting, checksums, unpacking, the commit).
+the last repetition: packing, votes, posting, waiting, checksums, unpacking, the commit) and, but
+with ``--hierarchical``, where the two floors' time goes (medians over the repetitions per rank:
+the trainers' relayout, pack copies and raw p2p; the receivers' raw p2p, which includes waiting for
+the trainers, and unpack copies).
 
 Usage: python benchmarks/bridge_bench.py [--layers 8 --hidden 1024 --reps 5 --bucket-mb 16 --plain --profile
                                           --hierarchical]
-Prints medians, ratios, the machine and the versions. Goals: bridge >= 2x gather, >= 70% of raw,
-<= 1.25x the floor.
+Prints medians, ratios (the bridge's to the floor and to the floor with the layout's copies), the
+machine and the versions. Goals: bridge >= 2x gather, >= 70% of raw, <= 1.25x the floor.
 """
 
 from __future__ import annotations
@@ -116,7 +128,63 @@ def _timed(fn, profile: bool = False) -> float:
     return float(t.item())
 
 
+def _layout_copies(plan, rank: int) -> list[tuple[Any, Any]]:
+    """The copies the layout forces on ``rank``, addressed as the bridge addresses them: (dst, src) views.
+
+    A trainer packs every piece of its segments that are not contiguous in its (cast,
+    transposed) shards (``Segment.src_direct``) from a tensor of the shard's real shape, in
+    torch dim order, into a buffer at the piece's offset in its message (a transposed shard is
+    XLA's output, in the param dtype; any other is read as it is and cast by the copy, as
+    ``bridge.sender`` does). A receiver unpacks every piece of its segments that are not
+    contiguous in its params (``Segment.dst_direct``) from such a buffer into its block of a
+    tensor of the param's shape (``BridgePlan.param_box`` of the param seen as
+    ``BridgePlan.view_of``), as ``bridge.receiver`` does. Every tensor is preallocated here and
+    every view built here, so a timed run is the strided ``copy_`` calls alone.
+    """
+    import torch
+
+    send = rank in plan.source.ranks
+    msgs = [m for m in plan.messages if rank == (m.src if send else m.dst)]
+    buf = torch.zeros(sum(m.nbytes for m in msgs), dtype=torch.uint8)
+    tensors: dict[Any, Any] = {}  # trainer: shards by (leaf, source id, perm, dtype); receiver: params by name
+    pairs, base = [], 0
+    for m in msgs:
+        for seg, members in zip(plan.segments(m), plan.segment_pieces(m), strict=True):
+            if seg.src_direct if send else seg.dst_direct:
+                continue  # sent from its shard or received into its param as it is: no copy
+            for i, off in members:
+                t = plan.moves[i]
+                wire = getattr(torch, plan.param(t.param, t.dst).dtype)
+                if send:
+                    perm = plan.dst_region(t)[1]
+                    cast = perm != tuple(range(len(perm)))  # XLA casts and transposes it; else copy_ casts
+                    layout = plan.source.layout(t.leaf)
+                    shard = layout.shard_box(t.src)
+                    key = (t.leaf, t.src, perm, cast)
+                    if key not in tensors:
+                        tensors[key] = torch.zeros([shard[p].stop - shard[p].start for p in perm],
+                                                   dtype=wire if cast else getattr(torch, layout.dtype))
+                    region = plan.src_region(t)
+                    src = tensors[key][tuple(region[p] for p in perm)]
+                    pairs.append((buf[base + off:base + off + t.nbytes].view(wire).view(src.shape), src))
+                else:
+                    if t.param not in tensors:
+                        p = plan.param(t.param, rank)
+                        tensors[t.param] = torch.zeros(p.shape, dtype=wire)
+                    dst = tensors[t.param].view(plan.view_of(t, rank))[plan.param_box(t, rank)]
+                    pairs.append((dst, buf[base + off:base + off + t.nbytes].view(wire).view(dst.shape)))
+        base += m.nbytes
+    return pairs
+
+
+def _copy_all(pairs: list[tuple[Any, Any]]) -> None:
+    for dst, src in pairs:
+        dst.copy_(src)
+
+
 def worker(args) -> None:
+    import itertools
+
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -134,7 +202,6 @@ def worker(args) -> None:
     pairs = sorted({(t.src_rank, t.dst) for t in plan.moves})
     pair_bytes = {p: sum(t.nbytes for t in plan.moves if (t.src_rank, t.dst) == p) for p in pairs}
     raw = {p: torch.empty(n, dtype=torch.uint8) for p, n in pair_bytes.items() if rank in p}
-    times: dict[str, list[float]] = {k: [] for k in ("bridge", "swap", "checksum", "gather", "raw", "floor", "rawb")}
     # The copies the layout forces, as contiguous copies of as many bytes: the sender packs the
     # pieces not contiguous in its (cast, transposed) shards, the receiver unpacks those not
     # contiguous in its params (BridgePlan.segments tells which).
@@ -142,6 +209,15 @@ def worker(args) -> None:
     pack_bytes = sum(seg.stop - seg.start for m, seg in segs if m.src == rank and not seg.src_direct)
     unpack_bytes = sum(seg.stop - seg.start for m, seg in segs if m.dst == rank and not seg.dst_direct)
     forced = [torch.ones(n, dtype=torch.uint8) for n in (pack_bytes or unpack_bytes,) * 2]
+    # The same copies as the bridge addresses them (strided, from and to tensors of the real shapes).
+    real = _layout_copies(plan, rank)
+    copies = {"floor": lambda: forced[1].copy_(forced[0]), "copies": lambda: _copy_all(real)}
+    phases: dict[str, dict[str, list[float]]] = {"floor": {}, "copies": {}}  # per reference, seconds per phase
+
+    def phase(ref: str, name: str, fn) -> None:
+        t0 = time.perf_counter()
+        fn()
+        phases[ref].setdefault(name, []).append(time.perf_counter() - t0)
 
     by_bucket: dict[int, list] = {}  # this rank's messages per bucket
     for m in plan.messages:
@@ -196,35 +272,30 @@ def worker(args) -> None:
                               if perm != tuple(range(len(perm))) or dtype != src.layout(t.leaf).dtype})
         relayout = jax.jit(lambda x, perm, dtype: jnp.transpose(x.astype(dtype), perm), static_argnums=(1, 2))
 
-        def floor():
+        def floor(ref: str = "floor"):
             shards = sender._shards(params)  # this process's single-device shards by (leaf, source id)
-            jax.block_until_ready([relayout(shards[(leaf, dev)], perm, dtype)
-                                   for leaf, dev, perm, dtype in layout_work])
-            forced[1].copy_(forced[0])
-            raw_p2p()
+            phase(ref, "relayout", lambda: jax.block_until_ready([relayout(shards[(leaf, dev)], perm, dtype)
+                                                                   for leaf, dev, perm, dtype in layout_work]))
+            phase(ref, "pack", copies[ref])
+            phase(ref, "p2p", raw_p2p)
 
-        for rep in range(args.reps + 1):
-            step = rep + 1
-            tb = _timed(lambda step=step: sender.sync(params, version=step), args.profile and rep == args.reps)
-            default_stats = dict(sender.stats)
-            ts = _timed(lambda step=step: sender.sync(params, version=step))
-            tl = _timed(lambda step=step: checked.sync(params, version=step))
-            tg = _timed(gather)
-            tr = _timed(raw_p2p)
-            tf = _timed(floor)
-            trb = _timed(raw_bucketed)
-            if rep:  # the first repetition warms up (jit compilation, buffers)
-                for k, t in (("bridge", tb), ("swap", ts), ("checksum", tl), ("gather", tg), ("raw", tr), ("floor", tf),
-                             ("rawb", trb)):
-                    times[k].append(t)
+        version = itertools.count(1)
+        bridges = {"bridge": sender, "swap": sender, "inplace": sender, "checksum": checked}
+        runs = {k: (lambda s=s: s.sync(params, version=next(version))) for k, s in bridges.items()}
     else:
         mine = plan.param_map.for_rank(rank)
         wire = getattr(torch, mine[0].dtype)
-        local = {p.name: torch.zeros(p.shape, dtype=wire) for p in mine}
+
+        def zeros() -> dict[str, torch.Tensor]:
+            return {p.name: torch.zeros(p.shape, dtype=wire) for p in mine}
+
+        local, swapped, inplace, sliced = zeros(), zeros(), zeros(), zeros()
         receiver = bridge.Receiver(plan, local, rank=rank, timeout=300)
-        swapped = {p.name: torch.zeros(p.shape, dtype=wire) for p in mine}
-        swapper = bridge.Receiver(plan, swapped, rank=rank, timeout=300, swap=True)
-        sliced = {p.name: torch.zeros(p.shape, dtype=wire) for p in mine}
+        # checksum: the same receiver; the senders announce digests, the receivers check them
+        bridges = {"bridge": receiver, "swap": bridge.Receiver(plan, swapped, rank=rank, timeout=300, swap=True),
+                   "inplace": bridge.Receiver(plan, inplace, rank=rank, timeout=300, atomic=False),
+                   "checksum": receiver}
+        runs = {k: r.sync for k, r in bridges.items()}
         by_leaf: dict[str, list] = {}
         for p in mine:
             for r in p.regions:
@@ -238,33 +309,32 @@ def worker(args) -> None:
                     dst = tuple(slice(o, o + n) for o, n in zip(r.offset, r.shape, strict=True))
                     sliced[name][dst].copy_(full[r.box.slices()].permute(r.transpose))
 
-        def floor():
-            raw_p2p()
-            forced[1].copy_(forced[0])
+        def floor(ref: str = "floor"):
+            phase(ref, "p2p", raw_p2p)
+            phase(ref, "unpack", copies[ref])
 
-        for rep in range(args.reps + 1):
-            tb = _timed(receiver.sync, args.profile and rep == args.reps)
-            default_stats = dict(receiver.stats)
-            ts = _timed(swapper.sync)
-            tl = _timed(receiver.sync)  # the senders announce digests: the receivers check them
-            tg = _timed(gather)
-            tr = _timed(raw_p2p)
-            tf = _timed(floor)
-            trb = _timed(raw_bucketed)
-            if rep:
-                for k, t in (("bridge", tb), ("swap", ts), ("checksum", tl), ("gather", tg), ("raw", tr), ("floor", tf),
-                             ("rawb", trb)):
-                    times[k].append(t)
-        same = all(torch.equal(local[n], sliced[n]) and torch.equal(swapped[n], sliced[n]) for n in local)
-        _print_stats(rank, {"bridge": default_stats, "swap": swapper.stats, "checksum": receiver.stats})
-        if rank == RECEIVERS[0]:
-            out = {"times": times, "bridge_equals_gather": same, "network_bytes": plan.network_bytes,
-                   "recv_bytes": plan.rank_bytes()["recv"], "buckets": plan.num_buckets,
-                   "model_bytes_f32": sum(4 * int(np.prod(lay.shape)) for _, lay in src.items()),
-                   "transfers": len(plan.transfers), "messages": len(plan.messages)}
-            print("RESULT " + json.dumps(out), flush=True)
-    if rank in TRAINERS:
-        _print_stats(rank, {"bridge": default_stats, "swap": sender.stats, "checksum": checked.stats})
+    runs.update(gather=gather, raw=raw_p2p, floor=floor, copies=lambda: floor("copies"), rawb=raw_bucketed)
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    stats: dict[str, dict] = {}
+    for rep in range(args.reps + 1):
+        for k, fn in runs.items():
+            t = _timed(fn, args.profile and rep == args.reps and k == "bridge")
+            if k in bridges:
+                stats[k] = dict(bridges[k].stats)
+            if rep:  # the first repetition warms up (jit compilation, buffers)
+                times[k].append(t)
+    _print_stats(rank, stats)
+    copied = sum(dst.numel() * dst.element_size() for dst, _ in real)
+    print("FLOOR " + json.dumps({"rank": rank, "copied": copied, "floor_copied": forced[0].numel(), "copy_runs":
+                                 len(real), "phases": {ref: {k: v[1:] for k, v in ph.items()}
+                                                       for ref, ph in phases.items()}}), flush=True)
+    if rank == RECEIVERS[0]:
+        same = all(torch.equal(t[n], sliced[n]) for t in (local, swapped, inplace) for n in local)
+        out = {"times": times, "bridge_equals_gather": same, "network_bytes": plan.network_bytes,
+               "recv_bytes": plan.rank_bytes()["recv"], "buckets": plan.num_buckets,
+               "model_bytes_f32": sum(4 * int(np.prod(lay.shape)) for _, lay in src.items()),
+               "transfers": len(plan.transfers), "messages": len(plan.messages)}
+        print("RESULT " + json.dumps(out), flush=True)
     dist.barrier()
     if rank in TRAINERS:
         os._exit(0)  # skip the JAX coordination shutdown barrier
@@ -414,13 +484,20 @@ def main() -> None:
             i = o.find("PROFILE")
             if i >= 0:
                 print(o[i:o.find("RESULT") if "RESULT" in o[i:] else None][:4000])
-    stats = [json.loads(line[len("STATS "):]) for o in outputs for line in o.splitlines() if line.startswith("STATS ")]
+    stats = _tagged(outputs, "STATS")
     _header()
     if args.hierarchical:
         _report_hierarchical(args, res, stats)
     else:
         _report(args, res)
     _breakdown(stats)
+    if not args.hierarchical:
+        _floor_breakdown(_tagged(outputs, "FLOOR"))
+
+
+def _tagged(outputs: list[str], tag: str) -> list[dict]:
+    """The JSON of every ``TAG {json}`` line the ranks printed."""
+    return [json.loads(line[len(tag) + 1:]) for o in outputs for line in o.splitlines() if line.startswith(tag + " ")]
 
 
 def _header() -> None:
@@ -481,10 +558,10 @@ def _report(args, res) -> None:
           f"{res['bridge_equals_gather']}")
     print(f"repetitions: {args.reps} (after one warm-up), medians:")
     for k, label in (("bridge", "bridge (defaults)"), ("swap", "bridge, swap=True"),
-                     ("checksum", "bridge, checksum=True"),
+                     ("inplace", "bridge, atomic=False"), ("checksum", "bridge, checksum=True"),
                      ("gather", "gather-then-broadcast"),
                      ("raw", "raw p2p, same bytes"), ("floor", "floor: layout work + raw"),
-                     ("rawb", "raw p2p in the bridge's buckets")):
+                     ("copies", "floor with the layout's copies"), ("rawb", "raw p2p in the bridge's buckets")):
         ts = res["times"][k]
         print(f"  {label:<32} {med[k] * 1e3:9.1f} ms   {nbytes / med[k] / 1e9:6.2f} GB/s of bridge bytes   "
               f"(min {min(ts) * 1e3:.1f}, max {max(ts) * 1e3:.1f})")
@@ -495,6 +572,24 @@ def _report(args, res) -> None:
     print(f"floor (the layout work, then raw p2p, in sequence): {med['raw'] / med['floor'] * 100:.0f}% of raw p2p; "
           f"bridge time / floor time = {med['bridge'] / med['floor']:.2f} (swap=True {med['swap'] / med['floor']:.2f}, "
           f"checksum=True {med['checksum'] / med['floor']:.2f}; goal <= 1.25)")
+    print(f"floor with the layout's copies (the bridge's strided packing and unpacking copies instead of contiguous "
+          f"ones): {med['copies'] / med['floor']:.2f}x the floor; bridge time / its time = "
+          f"{med['bridge'] / med['copies']:.2f} (swap=True {med['swap'] / med['copies']:.2f}, "
+          f"atomic=False {med['inplace'] / med['copies']:.2f})")
+
+
+def _floor_breakdown(rows: list[dict]) -> None:
+    """Where each rank's time went in the floor and in the floor with the layout's copies (medians)."""
+    print("where the floors' time goes, medians over the repetitions, ms per rank (relayout: XLA's cast+transposes; "
+          "pack / unpack: the copies the layout forces; p2p: the raw point-to-point, on the receivers incl. "
+          "waiting for the trainers):")
+    for row in sorted(rows, key=lambda r: r["rank"]):
+        for ref, label in (("floor", "floor"), ("copies", "copies")):
+            cells = "  ".join(f"{k} {statistics.median(v) * 1e3:7.1f}" for k, v in row["phases"][ref].items())
+            print(f"  rank {row['rank']} {label:<7} {cells}")
+        print(f"  rank {row['rank']} copies: {row['copied'] / 1e6:.1f} MB in {row['copy_runs']} strided copies, the "
+              f"floor's contiguous copy {row['floor_copied'] / 1e6:.1f} MB: same bytes "
+              f"{row['copied'] == row['floor_copied']}")
 
 
 if __name__ == "__main__":
