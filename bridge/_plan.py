@@ -8,8 +8,9 @@ aligned offset of a ``Message``: the bytes of one bucket from one sender rank to
 one receiver rank. With hierarchical delivery (``hierarchical=``, ``domains=``) the
 region groups are first cut by ``bridge._reduce.two_stage``: stage-1 moves bring each
 byte into each node once, stage-2 moves (``stage=2``, sent by inference ranks) complete
-the replicas inside nodes, in buckets of their own after stage 1's. Nothing here touches
-torch or jax: both sides build the same ``BridgePlan`` and compare its ``fingerprint``.
+the replicas inside nodes, sharing buckets with later stage-1 messages once what they forward
+has arrived (``STAGE2_LAG``). Nothing here touches torch or jax: both sides build the same
+``BridgePlan`` and compare its ``fingerprint``.
 """
 
 from __future__ import annotations
@@ -33,14 +34,18 @@ from jreshard.core.dtypes import numpy_dtype
 from jreshard.core.planner import plan_layouts
 
 __all__ = ["ParamMove", "Piece", "Message", "Segment", "BridgePlan", "FORMAT_VERSION", "ALIGN", "WIRE_DTYPES",
-           "HIERARCHICAL", "bridge_domains"]
+           "HIERARCHICAL", "STAGE2_LAG", "bridge_domains"]
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4  # 4: stage-2 moves share buckets with stage 1's
 ALIGN = 64  # bytes; every piece in a message starts aligned, so any dtype view is valid
 # The param dtypes the wire carries: each has a torch dtype of the same name and itemsize.
 WIRE_DTYPES = ("float32", "bfloat16", "float16", "float64", "int32", "int64", "int8", "uint8", "bool",
                "float8_e4m3fn")
 HIERARCHICAL = ("auto", "always", "never")
+# A stage-2 move goes in bucket b only if every stage-1 move that brings part of its box to its
+# sender lies in a bucket <= b - STAGE2_LAG: ``bridge._wire.run_sync`` packs bucket b once buckets
+# up to b - 2 are received and unpacked (bucket b - 1 is then still on the wire).
+STAGE2_LAG = 2
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -215,20 +220,20 @@ class BridgePlan:
         first, second = two_stage(direct, self.domains) if hierarchical != "never" else (direct, [])
         self.jobs = first if second else direct
         self.plan = plan_layouts([(j.name, j.src, j.dst) for j in self.jobs], balance=balance)
-        self.moves = self._moves(self.jobs, self.plan, 1)
+        # Two stages share buckets: pieces of half a bucket let one of each stage fit beside the other.
+        piece = self.bucket_bytes // 2 if second else self.bucket_bytes
+        self.moves = self._moves(self.jobs, self.plan, 1, piece)
         if second and hierarchical == "auto":
             flat = plan_layouts([(j.name, j.src, j.dst) for j in direct], balance=balance)
-            flat_moves = self._moves(direct, flat, 1)
+            flat_moves = self._moves(direct, flat, 1, self.bucket_bytes)
             if self._crossing(flat_moves) <= self._crossing(self.moves):
                 self.jobs, self.plan, self.moves, second = direct, flat, flat_moves, []
         #: the stage-2 jobs (region groups completed inside domains), ``[]`` for direct delivery
         self.stage2_jobs: list[Job] = second
         self.stage2_plan = plan_layouts([(j.name, j.src, j.dst) for j in second], balance=balance) if second else None
         if self.stage2_plan is not None:
-            self.moves += self._moves(second, self.stage2_plan, 2)
+            self.moves += self._moves(second, self.stage2_plan, 2, piece)
         self.messages, self.num_buckets = self._bucket()
-        #: the first bucket of stage 2 (every rank unpacks stage 1 before packing it), or ``None``
-        self.stage2_bucket = next((m.bucket for m in self.messages if self.moves[m.pieces[0].move].stage == 2), None)
         self._segments: dict[Message, tuple[Segment, ...]] = {}
         self.fingerprint = self._fingerprint()
         sends: dict[tuple[int, int], list[Message]] = defaultdict(list)
@@ -239,7 +244,8 @@ class BridgePlan:
         self._sends, self._recvs = dict(sends), dict(recvs)
 
     # ---------------------------------------------------------------- construction
-    def _moves(self, jobs: list[Job], plan: Any, stage: int) -> tuple[ParamMove, ...]:
+    def _moves(self, jobs: list[Job], plan: Any, stage: int, piece: int) -> tuple[ParamMove, ...]:
+        """The moves of ``plan``'s jobs in ``stage``, cut into parts of at most ``piece`` bytes."""
         out = []
         for job in jobs:
             tp = plan[job.name]
@@ -249,7 +255,7 @@ class BridgePlan:
                     continue
                 ref = job.regions[int(d)]
                 box = Box.from_bounds((lo + origin).tolist(), (hi + origin).tolist())
-                for part in split_box(box, tp.itemsize, self.bucket_bytes):
+                for part in split_box(box, tp.itemsize, piece):
                     n = part.size * tp.itemsize
                     if n:
                         out.append(ParamMove(int(s), int(d), job.leaf, part, ref.param, ref.region, n, stage))
@@ -260,28 +266,81 @@ class BridgePlan:
         return sum(t.nbytes for t in moves if self.domain_of(t.src_rank) != self.domain_of(t.dst))
 
     def _bucket(self) -> tuple[tuple[Message, ...], int]:
-        bucket = 0
-        send: dict[int, int] = defaultdict(int)
-        recv: dict[int, int] = defaultdict(int)
+        """Places every move in a bucket, under ``bucket_bytes`` sent and received per rank and bucket.
+
+        Stage-1 moves fill buckets in plan order: a bucket closes at the first one that would take
+        a rank past ``bucket_bytes`` (a move always fits an empty bucket), as in direct delivery.
+        A stage-2 move is ready for bucket ``b`` once every stage-1 move that brings part of its
+        box to its sender lies in a bucket ``<= b - STAGE2_LAG`` (``_ready_after``). Each bucket
+        first takes ready stage-2 moves while each receiving rank stays within its stage-2 share of
+        ``bucket_bytes`` (the fraction of its bytes that stage 2 brings, at most half), then
+        stage-1 moves, then ready stage-2 moves again while they fit. So the sends inside domains
+        travel beside the network's stage 1, a pipeline that drains in the buckets after stage 1's
+        last. A bucket is left empty where stage 1 is done and nothing is ready yet.
+        """
+        cap = self.bucket_bytes
+        first = [i for i, t in enumerate(self.moves) if t.stage == 1]
+        after = self._ready_after(first)
+        waiting = sorted(after, key=lambda i: (after[i], i))  # stage-2 moves by the stage-1 move they wait for
+        recv_all: dict[int, int] = defaultdict(int)
+        recv_two: dict[int, int] = defaultdict(int)
+        for t in self.moves:
+            recv_all[t.dst] += _aligned(t.nbytes)
+            if t.stage == 2:
+                recv_two[t.dst] += _aligned(t.nbytes)
+        share = {d: min(cap // 2, cap * n // recv_all[d]) for d, n in recv_two.items()}
         members: dict[tuple[int, int, int], list[int]] = defaultdict(list)
-        stage = 1
-        for i, t in enumerate(self.moves):
+        bucket_of: list[int] = []  # the bucket of each stage-1 move, by its position in ``first``
+        ready: list[int] = []
+        k1 = k2 = bucket = 0
+        send: dict[int, int] = defaultdict(int)  # bytes each rank sends, receives in the bucket being filled
+        recv: dict[int, int] = defaultdict(int)
+
+        def place(i: int, recv_cap: int) -> bool:
+            t = self.moves[i]
             s, d = t.src_rank, t.dst
-            full = send[s] + t.nbytes > self.bucket_bytes or recv[d] + t.nbytes > self.bucket_bytes
-            if (full or t.stage != stage) and (send or recv):  # stage 2 starts a bucket of its own
-                bucket, send, recv = bucket + 1, defaultdict(int), defaultdict(int)
-            stage = t.stage
+            if (send or recv) and (send[s] + t.nbytes > cap or recv[d] + t.nbytes > recv_cap):
+                return False
             send[s] += _aligned(t.nbytes)
             recv[d] += _aligned(t.nbytes)
             members[(bucket, s, d)].append(i)
+            return True
+
+        while k1 < len(first) or k2 < len(waiting) or ready:
+            send.clear()
+            recv.clear()
+            while k2 < len(waiting) and (after[waiting[k2]] < 0 or (
+                    after[waiting[k2]] < k1 and bucket_of[after[waiting[k2]]] <= bucket - STAGE2_LAG)):
+                ready.append(waiting[k2])
+                k2 += 1
+            ready = [i for i in ready if not place(i, share[self.moves[i].dst])]
+            while k1 < len(first) and place(first[k1], cap):
+                bucket_of.append(bucket)
+                k1 += 1
+            ready = [i for i in ready if not place(i, cap)]
+            bucket += 1
         messages = []
         for (b, s, d), idx in sorted(members.items()):
             off, pieces = 0, []
-            for i in idx:
+            for i in sorted(idx):
                 pieces.append(Piece(i, off))
                 off += _aligned(self.moves[i].nbytes)
             messages.append(Message(b, s, d, off, tuple(pieces)))
-        return tuple(messages), (bucket + 1 if self.moves else 0)
+        return tuple(messages), bucket
+
+    def _ready_after(self, first: list[int]) -> dict[int, int]:
+        """For every stage-2 move: the position in ``first`` (the stage-1 moves, in plan order) of the
+        last stage-1 move that brings part of its box to its sender (``-1``: none)."""
+        into: dict[tuple[int, str, int], list[int]] = defaultdict(list)
+        for k, i in enumerate(first):
+            t = self.moves[i]
+            into[(t.dst, t.param, t.region)].append(k)
+        out = {}
+        for i, t in enumerate(self.moves):
+            if t.stage == 2:
+                out[i] = max((k for k in into.get((t.src, t.param, t.region), ())
+                              if not self.moves[first[k]].box.intersect(t.box).empty), default=-1)
+        return out
 
     def _fingerprint(self) -> bytes:
         body = repr((FORMAT_VERSION, self.source.key(), self.param_map.key(), self.bucket_bytes, self.balance,

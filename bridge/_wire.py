@@ -401,9 +401,10 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
     every rank announces a digest of every piece it sends and votes on every bucket, otherwise
     the ranks vote every ``vote_every(plan)`` buckets and in the final ack.
 
-    In a two-stage plan (``plan.stage2_bucket``) inference ranks also send: before packing the
-    first stage-2 bucket every rank waits for and unpacks the last stage-1 bucket, so what a
-    rank forwards inside its domain has arrived. ``stats`` (cleared, then filled) receives this
+    In a two-stage plan inference ranks also send (stage 2, inside their domain), in buckets shared
+    with stage 1: a stage-2 message of bucket ``b`` forwards only what stage-1 buckets up to
+    ``b - 2`` delivered (``bridge._plan.STAGE2_LAG``), which this loop has unpacked when it packs
+    bucket ``b``. ``stats`` (cleared, then filled) receives this
     rank's bytes sent and received, those across a domain boundary (``plan.domain_of``), counted
     from the operations posted, and the seconds spent in each step: ``pack`` (including
     ``recv``), ``vote``, ``post``, ``wait``, ``check`` (digests of received pieces), ``unpack``.
@@ -574,12 +575,10 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
         try:
             # Bucket b+1 is packed while bucket b is on the wire, and bucket b is checked and unpacked
             # while bucket b+1 is; a failure there is announced in the vote after. Each bucket's payload
-            # is posted only after every rank voted for it.
+            # is posted only after every rank voted for it. So bucket b is packed once buckets up to b-2
+            # are unpacked: what a stage-2 message of bucket b forwards arrived in stage-1 buckets up to
+            # b-2 (``bridge._plan.STAGE2_LAG``), and nothing waits for stage 1 to finish.
             for b in range(nb + 1):
-                if b == plan.stage2_bucket:  # stage 2 forwards what stage 1 delivered: finish stage 1 first
-                    timed("wait", wait_all, works, cur, b)
-                    mine = finish(cur, b - 1, mine, expected)
-                    cur, works = None, []
                 nxt, sums = None, None
                 voting = b == nb or every == 1 or (b > 0 and b % every == 0)
                 if b < nb and mine.code == Code.OK:

@@ -322,7 +322,7 @@ def test_two_stage_plans_are_exact_stay_inside_nodes_and_reach_the_lower_bound(c
     if all(all(node_of[r] == node_of[g[0]] for r in g) for g in np.atleast_2d(tp_groups)):
         assert two.cross_domain_bytes == lower
     # Stage-2 segments flag pieces contiguous in the forwarding rank's param (packed otherwise).
-    for msg in [x for x in two.messages if x.bucket >= two.stage2_bucket]:
+    for msg in [x for x in two.messages if two.moves[x.pieces[0].move].stage == 2]:
         for seg, members in zip(two.segments(msg), two.segment_pieces(msg), strict=True):
             t = two.moves[members[0].move]
             ok = _consecutive(two.view_of(t, t.src), two.param_box(t, t.src))
