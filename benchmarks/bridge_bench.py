@@ -313,6 +313,16 @@ def worker(args) -> None:
             phase(ref, "p2p", raw_p2p)
             phase(ref, "unpack", copies[ref])
 
+    call: dict[str, float] = {}  # per bridge row, this rank's seconds in its last sync call
+
+    def clocked(k: str, fn):
+        def run():
+            t0 = time.perf_counter()
+            fn()
+            call[k] = time.perf_counter() - t0
+        return run
+
+    runs = {k: clocked(k, fn) for k, fn in runs.items()}
     runs.update(gather=gather, raw=raw_p2p, floor=floor, copies=lambda: floor("copies"), rawb=raw_bucketed)
     times: dict[str, list[float]] = {k: [] for k in runs}
     stats: dict[str, dict] = {}
@@ -320,7 +330,7 @@ def worker(args) -> None:
         for k, fn in runs.items():
             t = _timed(fn, args.profile and rep == args.reps and k == "bridge")
             if k in bridges:
-                stats[k] = dict(bridges[k].stats)
+                stats[k] = dict(bridges[k].stats, call=call[k])
             if rep:  # the first repetition warms up (jit compilation, buffers)
                 times[k].append(t)
     _print_stats(rank, stats)
@@ -517,10 +527,13 @@ def _breakdown(stats: list[dict]) -> None:
     """Where each rank's time went in its last bridge sync (Sender.stats / Receiver.stats)."""
     print("where the time goes, last repetition, ms per rank (pack: casting, packing and receive set-up; "
           "vote: all_gathers incl. digests of sent pieces; post: batch_isend_irecv; wait: waiting for the "
-          "wire; check: digests of received pieces; commit: shadow -> params):")
+          "wire; check: digests of received pieces; commit: shadow -> params; total: the protocol, without the "
+          "commit; outside: the rest of the sync call, e.g. the sender's shard look-up, the receiver's staging):")
     for row in sorted(stats, key=lambda r: r["rank"]):
         for what, st in sorted(row["stats"].items()):
             cells = "  ".join(f"{k} {st.get(k, 0.0) * 1e3:7.1f}" for k in STEPS)
+            if "call" in st:
+                cells += f"  outside {(st['call'] - st['seconds'] - st.get('commit', 0.0)) * 1e3:7.1f}"
             print(f"  rank {row['rank']} {what:<8} total {st['seconds'] * 1e3:7.1f}  {cells}  "
                   f"(cross-node sent {st['cross_domain_sent'] / 1e6:.1f} MB, received "
                   f"{st['cross_domain_received'] / 1e6:.1f} MB)")
