@@ -8,10 +8,13 @@ Phases:
 
   hier     hierarchical="always": each node receives every byte once, then completes its replicas
   direct   hierarchical="never": the same param map, every rank fed by the trainers
-  kill     two stages; rank 7 dies (SIGKILL) posting its first stage-2 bucket: every other rank
-           raises SyncError, every receiver keeps its weights and version
+  kill     two stages; rank 7 dies (SIGKILL) posting its first stage-2 message (in a bucket that
+           stage-1 messages share): every other rank raises SyncError, every receiver keeps its
+           weights and version
   restart  every rank rebuilds the group, rank 7 replaced by a standby process (started with the
-           others, --restart, so that its start-up overlaps theirs); the sync succeeds
+           others, --restart, so that its start-up overlaps theirs); the sync succeeds, the trainers
+           asking for digests (every rank, the forwarding receivers too, announces them; every
+           bucket is voted)
 
 Each rank records, per phase, its executor's byte counts (``stats``: bytes posted to ranks of
 another node); the test sums them and compares with the plan and with an independent lower
@@ -101,7 +104,7 @@ def worker(args) -> None:
             if rank in TRAINERS:
                 run_sync(p[mode], rank, None, role=SENDER, version=version, status=0, timeout=TIMEOUT,
                          ready_timeout=60, pack=sender(p[mode], arrays(version), 0.0), recv=None, unpack=None,
-                         stats=stats)
+                         stats=stats, checksum=phase == "restart")
             else:
                 receivers[mode].sync()
                 stats = receivers[mode].stats
