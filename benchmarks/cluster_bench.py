@@ -17,7 +17,10 @@ direct delivery.
       the 4 devices of nodes 2-3 (2 replicas per process); ``hierarchical=`` when
       ``jreshard.transfer`` accepts it, else direct only.
   (c) the cost model (``jreshard.fleet.cost.compare``) for the same layouts on the links
-      and local work measured at the start (``measure``): the network at the shaped-link
+      and local work measured at the start (``measure``), hierarchical delivery as each
+      executor runs it (the bridge's two stages overlap in shared buckets, ``overlap=`` its
+      ``STAGE2_LAG``, the stages in a row printed beside; ``transfer``'s run one after the
+      other): the network at the shaped-link
       rate (halved per rank: two ranks share a node's link), the fast links at the
       loopback rate per stream with every inference rank streaming to its peer at once
       (a) or at the shared copy rate (b: stage 2 of ``transfer`` is a copy inside a
@@ -333,7 +336,8 @@ def predictions(a, links: Links) -> dict[str, dict[str, float]]:
     """The cost model's seconds for (a) and (b), direct and hierarchical, on the measured links.
 
     Device ``d`` of the model is bridge rank ``d`` (a) or JAX device ``d`` (b), node ``d // 2``.
-    ``<mode>_links``: the same prediction without the copy term (links and messages only).
+    ``<mode>_links``: the same prediction without the copy term (links and messages only);
+    ``always_serial`` (a): hierarchical delivery predicted with its stages in a row.
     """
     import numpy as np
 
@@ -351,12 +355,24 @@ def predictions(a, links: Links) -> dict[str, dict[str, float]]:
         src = {p: Layout(s, src_mesh, spec(p, s), dtype) for p, s in shapes.items()}
         dst = {p: Layout(s, dst_mesh, (), dtype) for p, s in shapes.items()}
         out[part] = {}
-        for copies, tag in ((True, ""), (False, "_links")):
-            c = compare(src, dst, topology(links, part, bucket, copies), hierarchical="always")
+        # How the executor runs the two stages: the bridge in shared buckets, transfer one after the other.
+        lag = _bridge_lag() if part == "a" else 0
+        for copies, tag, overlap in ((True, "", lag), (False, "_links", lag), (True, "_serial", 0)):
+            if tag == "_serial" and not lag:
+                continue
+            c = compare(src, dst, topology(links, part, bucket, copies), hierarchical="always", overlap=overlap)
             hier = c.hierarchical if c.hierarchical is not None else c.direct
             out[part].update({"never" + tag: c.direct.seconds, "always" + tag: hier.seconds})
         out[part].update(never_bytes=c.direct.network_bytes, always_bytes=hier.network_bytes)
     return out
+
+
+def _bridge_lag() -> int:
+    """Buckets between the bridge's stage-1 sends and the stage-2 sends that forward them (0: the
+    bridge runs its stages one after the other, as it did before ``STAGE2_LAG``)."""
+    from bridge import _plan
+
+    return int(getattr(_plan, "STAGE2_LAG", 0))
 
 
 def _copy_probe(seconds: float, start_at: float) -> None:
@@ -463,7 +479,9 @@ def _report(title: str, res: dict, plan_bytes: dict, pred: dict | None, kernel: 
         if pred is not None:
             line += (f"; predicted {pred[m] * 1e3:7.1f} ms ({pred[m + '_bytes'] / 1e6:.2f} MB), "
                      f"predicted / measured {pred[m] / med[m]:.2f} (links only: {pred[m + '_links'] * 1e3:.0f} ms, "
-                     f"{pred[m + '_links'] / med[m]:.2f})")
+                     f"{pred[m + '_links'] / med[m]:.2f}"
+                     + (f"; stages in a row: {pred[m + '_serial'] * 1e3:.0f} ms, {pred[m + '_serial'] / med[m]:.2f}"
+                        if m + "_serial" in pred and m == "always" else "") + ")")
         print(line)
     for m, r in res.items():
         if r.get("steps"):

@@ -153,6 +153,34 @@ def test_compare_decides():
     assert cost.compare(src, dst, odd, hierarchical="always").delivery == "hierarchical"
 
 
+def test_overlapped_stages_take_the_longer_one_plus_the_drain():
+    # Device 0 sends 16 MiB into domain 1 (devices 2, 3: two replicas); each then forwards its 8 MiB half.
+    src = {"w": Layout((16 << 20,), Mesh([0], "x"), (), "uint8")}
+    dst = {"w": Layout((16 << 20,), Mesh([2, 3], "dp"), (), "uint8")}
+    topo = Topology(gpus_per_domain=2, nvlink_GBps=1, network_GBps=10, latency_us=0, bucket_bytes=1 << 20)
+    tsp = cost.hierarchical_plan(src, dst, topo)
+    t1, t2 = (16 << 20) / 10e9, (8 << 20) / 1e9  # here stage 2 (slow NVLink) is the longer one
+    serial = cost.predict_two_stage(tsp, topo)
+    assert serial.stages == pytest.approx((t1, t2)) and serial.seconds == pytest.approx(t1 + t2)
+    assert cost.predict_two_stage(tsp, topo, overlap=0) == serial
+    # Each device receives 8 MiB in each stage: 16 buckets of 1 MiB; the drain is 2 (or 3) of them.
+    for lag in (2, 3):
+        piped = cost.predict_two_stage(tsp, topo, overlap=lag)
+        assert piped.seconds == pytest.approx(max(t1, t2) + lag / 16 * t2)
+        assert (piped.network_bytes, piped.nvlink_bytes, piped.stages) == (
+            serial.network_bytes, serial.nvlink_bytes, serial.stages)
+    # One bucket holds everything: the pipeline is the stages in a row.
+    whole = dataclasses.replace(topo, bucket_bytes=64 << 20)
+    assert cost.predict_two_stage(tsp, whole, overlap=2).seconds == pytest.approx(t1 + t2)
+    # compare and decide pass it on; the default stays the stages in a row (jreshard.transfer's).
+    c, c2 = cost.compare(src, dst, topo, hierarchical="always"), cost.compare(src, dst, topo, overlap=2)
+    assert c.hierarchical.seconds == pytest.approx(t1 + t2)
+    assert c2.hierarchical.seconds == pytest.approx(max(t1, t2) + t2 / 8) and c2.direct == c.direct
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="overlap must be an int >= 0"):
+            cost.predict_two_stage(tsp, topo, overlap=bad)
+
+
 def test_hardware_and_topology_errors():
     assert cost.load_hardware("dgx-h100").gpus_per_domain == 8
     assert Topology.from_hardware("gb200-nvl72", 4).gpus_per_domain == 4

@@ -20,7 +20,9 @@ The model (see ``docs/cost_model.md``):
   a receiver into messages of at most ``bucket_bytes``; gather-then-broadcast pays
   one message per tensor per hop (one collective per tensor).
 - Stages (gather then broadcast; hierarchical injection then fan-out) run one
-  after the other: their times add.
+  after the other: their times add; except hierarchical delivery by an executor that
+  carries both stages in the same buckets (``overlap=``, the bridge): the longer
+  stage plus the pipeline's drain (``predict_two_stage``).
 
 Deliveries and baselines: *direct* delivery is the core plan (``jreshard.plan``);
 *hierarchical* delivery (``jreshard.fleet.hierarchical``) crosses the network once
@@ -102,7 +104,7 @@ class Comparison:
 
 def compare(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology, *, hierarchical: str = "auto",
             jreshard_plan: Plan | None = None, progress: Callable | None = None,
-            fp8: Fp8Costs | None = None) -> Comparison:
+            fp8: Fp8Costs | None = None, overlap: int = 0) -> Comparison:
     """Predicts jreshard (direct and, where it applies, hierarchical) and both baselines.
 
     Args:
@@ -115,6 +117,8 @@ def compare(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology
         a first stage of the deliveries that quantize at sharded senders (jreshard's and flat
         direct sends), and the scales, which gather-then-broadcast sends in their weights'
         collectives (it quantizes whole tensors at the root and needs no exchange).
+      overlap: how the executor runs hierarchical delivery's stages (``predict_two_stage``):
+        ``0`` one after the other (``jreshard.transfer``), ``2`` the bridge's pipeline.
 
     Example:
       >>> import numpy as np
@@ -128,7 +132,8 @@ def compare(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology
     """
     check_pair(src, dst)
     first = predict(fp8.exchange, topo) if fp8 is not None and len(fp8.exchange.msg_out) else None
-    d = decide(src, dst, topo, hierarchical, direct_plan=jreshard_plan, progress=progress, first=first)
+    d = decide(src, dst, topo, hierarchical, direct_plan=jreshard_plan, progress=progress, first=first,
+               overlap=overlap)
     chosen = d.hierarchical if d.delivery == "hierarchical" and d.hierarchical is not None else d.direct
     baseline = gather_broadcast(src, dst, topo, riders=fp8.scales if fp8 else None)
     flat = flat_direct(src, dst, topo)

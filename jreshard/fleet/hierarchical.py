@@ -5,7 +5,9 @@ stage 1 delivers each byte once per domain over the network, spread over the
 domain's replicas, stage 2 completes every replica over NVLink. Here a
 ``Topology`` supplies the domains (``Topology.domains``: blocks of
 ``gpus_per_domain`` consecutive GPUs, or any ``Domains`` it was given) and
-``predict_two_stage`` adds the stages' predicted times. ``decide`` is the choice
+``predict_two_stage`` adds the stages' predicted times, or, for an executor that
+runs stage 2 in the buckets of stage 1 (``overlap=``, the bridge), takes the
+longer stage plus the pipeline's drain. ``decide`` is the choice
 ``compare`` and ``jreshard.transfer(hierarchical="auto")`` both make. See
 ``docs/cost_model.md``.
 
@@ -33,7 +35,7 @@ from jreshard.core.hierarchical import StagePart, TwoStagePlan
 from jreshard.core.layout import Layout
 from jreshard.core.planner import Plan, plan
 from jreshard.fleet.hardware import Topology
-from jreshard.fleet.traffic import Prediction, predict_plan
+from jreshard.fleet.traffic import Prediction, plan_traffic, predict_plan
 
 __all__ = ["TwoStagePlan", "StagePart", "hierarchical_plan", "predict_two_stage", "stage_parts",
            "has_domain_replicas", "decide", "Decision", "HIERARCHICAL"]
@@ -69,10 +71,55 @@ def hierarchical_plan(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo
     return _core.hierarchical_plan(src, dst, _domains(topo), progress=progress)
 
 
-def predict_two_stage(tsp: TwoStagePlan, topo: Topology) -> Prediction:
-    """Predicted time of a two-stage plan: stage 1, then stage 2."""
+def predict_two_stage(tsp: TwoStagePlan, topo: Topology, *, overlap: int = 0) -> Prediction:
+    """Predicted time of a two-stage plan.
+
+    Args:
+      tsp: the plan (``hierarchical_plan``).
+      topo: the cluster; its ``bucket_bytes`` is the executor's bucket with ``overlap``.
+      overlap: ``0`` (``jreshard.transfer``): stage 2 starts when stage 1 is done, and their
+        times add. ``n >= 1``: the executor carries both stages in the same buckets, each
+        stage-2 send at least ``n`` buckets after the stage-1 sends that deliver what it
+        forwards (the bridge: ``n = 2``, ``bridge._plan.STAGE2_LAG``). The sync then takes
+        the longer stage plus the pipeline's drain: the part of stage 2 that forwards what
+        the last ``n`` buckets delivered, taken as ``n`` buckets' share of stage 2's time
+        (``n * bucket_bytes`` over the most bytes a device receives in both stages, at most
+        all of it), never more than the stages in a row. Not a fitted factor: the bucket
+        arithmetic of such an executor.
+
+    Example:
+      >>> from jreshard import Layout, Mesh
+      >>> from jreshard.fleet.hardware import Topology
+      >>> from jreshard.fleet.hierarchical import hierarchical_plan, predict_two_stage
+      >>> topo = Topology(gpus_per_domain=2, nvlink_GBps=100, network_GBps=10, latency_us=0,
+      ...                 bucket_bytes=1 << 20)
+      >>> src = {"w": Layout((16 << 20,), Mesh([0], "x"), (), "uint8")}
+      >>> dst = {"w": Layout((16 << 20,), Mesh([2, 3], "dp"), (), "uint8")}  # 2 replicas in domain 1
+      >>> tsp = hierarchical_plan(src, dst, topo)
+      >>> serial, piped = predict_two_stage(tsp, topo), predict_two_stage(tsp, topo, overlap=2)
+      >>> [round(x * 1e3, 3) for x in serial.stages], round(serial.seconds * 1e3, 3)  # ms: they add
+      ([1.678, 0.084], 1.762)
+      >>> round(piped.seconds * 1e3, 3)  # stage 1, then the 2 of 16 buckets' share of stage 2
+      1.688
+    """
+    if not isinstance(overlap, int) or isinstance(overlap, bool) or overlap < 0:
+        raise ValueError(f"overlap must be an int >= 0 (buckets between a stage-1 send and the stage-2 sends "
+                         f"that forward it; 0: the stages run one after the other), got {overlap!r}.")
     first = predict_plan(tsp.stage1, topo)
-    return first + predict_plan(tsp.stage2, topo) if tsp.stage2 is not None else first
+    if tsp.stage2 is None:
+        return first
+    second = predict_plan(tsp.stage2, topo)
+    serial = first + second
+    if not overlap:
+        return serial
+    received = [plan_traffic(p, topo) for p in (tsp.stage1, tsp.stage2)]
+    n = max(len(t.net_in) for t in received)
+    for t in received:
+        t.grow(n)
+    most = float(max(sum(t.net_in + t.nvl_in for t in received).max(), 1.0))
+    drain = min(1.0, overlap * topo.bucket_bytes / most) * second.seconds
+    # At most the serial time: with a single bucket the pipeline is the two stages in a row.
+    return dataclasses.replace(serial, seconds=min(serial.seconds, max(first.seconds, second.seconds) + drain))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -95,13 +142,15 @@ def check_hierarchical(hierarchical: Any) -> str:
 
 def decide(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology, hierarchical: str = "auto", *,
            direct_plan: Plan | None = None, progress: Callable | None = None,
-           first: Prediction | None = None) -> Decision:
+           first: Prediction | None = None, overlap: int = 0) -> Decision:
     """Direct or hierarchical delivery, as the executors and ``compare`` choose it.
 
     ``'never'``: direct. Otherwise, when some domain of ``topo`` holds two replicas of a
     tensor, the two-stage plan is made and predicted; ``'always'`` takes it, ``'auto'``
     takes it when it is predicted faster than direct delivery. ``first``: a stage both
-    deliveries run first (FP8's amax exchange), added to both predictions.
+    deliveries run first (FP8's amax exchange), added to both predictions. ``overlap``: how the
+    executor runs the two stages (``predict_two_stage``; ``0``, ``jreshard.transfer``: one after
+    the other).
 
     Example:
       >>> from jreshard import Layout, Mesh
@@ -124,6 +173,6 @@ def decide(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology,
     tsp, hier = None, None
     if hierarchical != "never" and has_domain_replicas(dst, topo):
         tsp = hierarchical_plan(src, dst, topo, progress=progress)
-        hier = after_first(predict_two_stage(tsp, topo))
+        hier = after_first(predict_two_stage(tsp, topo, overlap=overlap))
     take = hier is not None and (hierarchical == "always" or hier.seconds < direct.seconds)
     return Decision("hierarchical" if take else "direct", direct, hier, p, tsp)
