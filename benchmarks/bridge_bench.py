@@ -45,7 +45,8 @@ Every run also prints where each rank's bridge time goes (``Sender.stats`` / ``R
 the last repetition: packing, votes, posting, waiting, checksums, unpacking, the commit) and, but
 with ``--hierarchical``, where the two floors' time goes (medians over the repetitions per rank:
 the trainers' relayout, pack copies and raw p2p; the receivers' raw p2p, which includes waiting for
-the trainers, and unpack copies).
+the trainers, and unpack copies) and the CPU time each row takes per rank (``time.process_time``:
+every thread of the process), in all beside the wall time times the cores.
 
 Usage: python benchmarks/bridge_bench.py [--layers 8 --hidden 1024 --reps 5 --bucket-mb 16 --plain --profile
                                           --hierarchical]
@@ -313,17 +314,19 @@ def worker(args) -> None:
             phase(ref, "p2p", raw_p2p)
             phase(ref, "unpack", copies[ref])
 
-    call: dict[str, float] = {}  # per bridge row, this rank's seconds in its last sync call
+    runs.update(gather=gather, raw=raw_p2p, floor=floor, copies=lambda: floor("copies"), rawb=raw_bucketed)
+    call: dict[str, float] = {}  # per row, this rank's seconds in its last call
+    cpu: dict[str, list[float]] = {k: [] for k in runs}  # per row, this process's CPU seconds (all its threads)
 
     def clocked(k: str, fn):
         def run():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
             call[k] = time.perf_counter() - t0
+            cpu[k].append(time.process_time() - c0)
         return run
 
     runs = {k: clocked(k, fn) for k, fn in runs.items()}
-    runs.update(gather=gather, raw=raw_p2p, floor=floor, copies=lambda: floor("copies"), rawb=raw_bucketed)
     times: dict[str, list[float]] = {k: [] for k in runs}
     stats: dict[str, dict] = {}
     for rep in range(args.reps + 1):
@@ -337,7 +340,8 @@ def worker(args) -> None:
     copied = sum(dst.numel() * dst.element_size() for dst, _ in real)
     print("FLOOR " + json.dumps({"rank": rank, "copied": copied, "floor_copied": forced[0].numel(), "copy_runs":
                                  len(real), "phases": {ref: {k: v[1:] for k, v in ph.items()}
-                                                       for ref, ph in phases.items()}}), flush=True)
+                                                       for ref, ph in phases.items()},
+                                 "cpu": {k: v[1:] for k, v in cpu.items()}}), flush=True)
     if rank == RECEIVERS[0]:
         same = all(torch.equal(t[n], sliced[n]) for t in (local, swapped, inplace) for n in local)
         out = {"times": times, "bridge_equals_gather": same, "network_bytes": plan.network_bytes,
@@ -503,6 +507,7 @@ def main() -> None:
     _breakdown(stats)
     if not args.hierarchical:
         _floor_breakdown(_tagged(outputs, "FLOOR"))
+        _cpu(_tagged(outputs, "FLOOR"), res)
 
 
 def _tagged(outputs: list[str], tag: str) -> list[dict]:
@@ -603,6 +608,19 @@ def _floor_breakdown(rows: list[dict]) -> None:
         print(f"  rank {row['rank']} copies: {row['copied'] / 1e6:.1f} MB in {row['copy_runs']} strided copies, the "
               f"floor's contiguous copy {row['floor_copied'] / 1e6:.1f} MB: same bytes "
               f"{row['copied'] == row['floor_copied']}")
+
+
+def _cpu(rows: list[dict], res: dict) -> None:
+    """CPU time per call of every row, per rank and in all, beside the CPU time the cores could give."""
+    rows = sorted(rows, key=lambda r: r["rank"])
+    cores = os.cpu_count() or 1
+    print(f"CPU time per call (every thread of each process; medians over the repetitions), ms: per rank, in all, "
+          f"and the wall time x {cores} cores:")
+    for k in rows[0]["cpu"]:
+        per = [statistics.median(r["cpu"][k]) * 1e3 for r in rows]
+        wall = statistics.median(res["times"][k]) * 1e3
+        print(f"  {k:<9} " + "  ".join(f"rank {r['rank']} {c:7.1f}" for r, c in zip(rows, per, strict=True))
+              + f"   all {sum(per):7.1f}  of {wall * cores:7.1f}")
 
 
 if __name__ == "__main__":
