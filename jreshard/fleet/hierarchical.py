@@ -112,11 +112,11 @@ def predict_two_stage(tsp: TwoStagePlan, topo: Topology, *, overlap: int = 0) ->
     serial = first + second
     if not overlap:
         return serial
-    received = [plan_traffic(p, topo) for p in (tsp.stage1, tsp.stage2)]
-    n = max(len(t.net_in) for t in received)
-    for t in received:
-        t.grow(n)
-    most = float(max(sum(t.net_in + t.nvl_in for t in received).max(), 1.0))
+    one, two = plan_traffic(tsp.stage1, topo), plan_traffic(tsp.stage2, topo)
+    n = max(len(one.net_in), len(two.net_in))
+    one.grow(n)
+    two.grow(n)
+    most = float(max((one.net_in + one.nvl_in + two.net_in + two.nvl_in).max(), 1.0))  # bytes a device receives
     drain = min(1.0, overlap * topo.bucket_bytes / most) * second.seconds
     # At most the serial time: with a single bucket the pipeline is the two stages in a row.
     return dataclasses.replace(serial, seconds=min(serial.seconds, max(first.seconds, second.seconds) + drain))
