@@ -46,6 +46,9 @@ HIERARCHICAL = ("auto", "always", "never")
 # sender lies in a bucket <= b - STAGE2_LAG: ``bridge._wire.run_sync`` packs bucket b once buckets
 # up to b - 2 are received and unpacked (bucket b - 1 is then still on the wire).
 STAGE2_LAG = 2
+# Two-stage plans cut moves into pieces of at least bucket_bytes / MAX_SPLIT (a rank's stage-2 share
+# of a bucket is at most 1 - 1/MAX_SPLIT of it).
+MAX_SPLIT = 8
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -220,17 +223,20 @@ class BridgePlan:
         first, second = two_stage(direct, self.domains) if hierarchical != "never" else (direct, [])
         self.jobs = first if second else direct
         self.plan = plan_layouts([(j.name, j.src, j.dst) for j in self.jobs], balance=balance)
-        # Two stages share buckets: pieces of half a bucket let one of each stage fit beside the other.
-        piece = self.bucket_bytes // 2 if second else self.bucket_bytes
+        later = plan_layouts([(j.name, j.src, j.dst) for j in second], balance=balance) if second else None
+        # Two stages share buckets: each receiving rank's stage-2 share of a bucket, and pieces
+        # small enough that a stage-1 piece fits beside it.
+        self._share, piece = self._shares(self.plan, self.jobs, later, second)
         self.moves = self._moves(self.jobs, self.plan, 1, piece)
         if second and hierarchical == "auto":
             flat = plan_layouts([(j.name, j.src, j.dst) for j in direct], balance=balance)
             flat_moves = self._moves(direct, flat, 1, self.bucket_bytes)
             if self._crossing(flat_moves) <= self._crossing(self.moves):
-                self.jobs, self.plan, self.moves, second = direct, flat, flat_moves, []
+                self.jobs, self.plan, self.moves, second, later = direct, flat, flat_moves, [], None
+                self._share = {}
         #: the stage-2 jobs (region groups completed inside domains), ``[]`` for direct delivery
         self.stage2_jobs: list[Job] = second
-        self.stage2_plan = plan_layouts([(j.name, j.src, j.dst) for j in second], balance=balance) if second else None
+        self.stage2_plan = later
         if self.stage2_plan is not None:
             self.moves += self._moves(second, self.stage2_plan, 2, piece)
         self.messages, self.num_buckets = self._bucket()
@@ -261,6 +267,21 @@ class BridgePlan:
                         out.append(ParamMove(int(s), int(d), job.leaf, part, ref.param, ref.region, n, stage))
         return tuple(out)
 
+    def _shares(self, plan: Any, jobs: list[Job], later: Any, second: list[Job]) -> tuple[dict[int, int], int]:
+        """({receiving rank: bytes of a bucket stage 2 may take first}, the most bytes of a piece).
+
+        A rank's share is the fraction of its bytes that stage 2 brings (at most ``1 - 1/MAX_SPLIT``),
+        in multiples of ``ALIGN``; pieces are cut to the smallest room a share leaves, so a stage-1
+        piece fits beside every rank's share. Direct delivery: no shares, pieces of a bucket.
+        """
+        cap = self.bucket_bytes
+        if later is None:
+            return {}, cap
+        got = [_received(plan, jobs), _received(later, second)]
+        share = {d: min(cap * n // (got[0].get(d, 0) + n), cap - cap // MAX_SPLIT) // ALIGN * ALIGN
+                 for d, n in got[1].items()}
+        return share, max(ALIGN, (cap - max(share.values(), default=0)) // ALIGN * ALIGN)
+
     def _crossing(self, moves: Sequence[ParamMove]) -> int:
         """Bytes of ``moves`` whose sending and receiving ranks lie in different domains."""
         return sum(t.nbytes for t in moves if self.domain_of(t.src_rank) != self.domain_of(t.dst))
@@ -273,7 +294,7 @@ class BridgePlan:
         A stage-2 move is ready for bucket ``b`` once every stage-1 move that brings part of its
         box to its sender lies in a bucket ``<= b - STAGE2_LAG`` (``_ready_after``). Each bucket
         first takes ready stage-2 moves while each receiving rank stays within its stage-2 share of
-        ``bucket_bytes`` (the fraction of its bytes that stage 2 brings, at most half), then
+        ``bucket_bytes`` (the fraction of its bytes that stage 2 brings, ``_shares``), then
         stage-1 moves, then ready stage-2 moves again while they fit. So the sends inside domains
         travel beside the network's stage 1, a pipeline that drains in the buckets after stage 1's
         last. A bucket is left empty where stage 1 is done and nothing is ready yet.
@@ -282,13 +303,7 @@ class BridgePlan:
         first = [i for i, t in enumerate(self.moves) if t.stage == 1]
         after = self._ready_after(first)
         waiting = sorted(after, key=lambda i: (after[i], i))  # stage-2 moves by the stage-1 move they wait for
-        recv_all: dict[int, int] = defaultdict(int)
-        recv_two: dict[int, int] = defaultdict(int)
-        for t in self.moves:
-            recv_all[t.dst] += _aligned(t.nbytes)
-            if t.stage == 2:
-                recv_two[t.dst] += _aligned(t.nbytes)
-        share = {d: min(cap // 2, cap * n // recv_all[d]) for d, n in recv_two.items()}
+        share = self._share
         members: dict[tuple[int, int, int], list[int]] = defaultdict(list)
         bucket_of: list[int] = []  # the bucket of each stage-1 move, by its position in ``first``
         ready: list[int] = []
@@ -518,6 +533,20 @@ def bridge_domains(domains: Any, ranks: Sequence[int]) -> Domains:
         return domains
     listed = {r for g in domains.groups for r in g}
     return Domains.from_groups([*domains.groups, *([r] for r in sorted(set(ranks) - listed))])
+
+
+def _received(plan: Any, jobs: list[Job]) -> dict[int, int]:
+    """Bytes each destination device of ``plan`` receives from another one (before cutting into pieces)."""
+    out: dict[int, int] = defaultdict(int)
+    for job in jobs:
+        tp = plan[job.name]
+        if not len(tp.move_src):
+            continue
+        sizes = np.prod(np.asarray(tp.move_hi) - np.asarray(tp.move_lo), axis=1) * tp.itemsize
+        for s, d, n in zip(tp.move_src, tp.move_dst, sizes.tolist(), strict=True):
+            if s != d:
+                out[int(d)] += int(n)
+    return dict(out)
 
 
 def _contiguous(box: Any, shape: Any) -> bool:

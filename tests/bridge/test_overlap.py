@@ -29,6 +29,9 @@ CASES = [
     ("tp2x4-two-nodes", ((4,), ("fsdp",), (0, 1), 2), [[2, 3], [4, 5], [6, 7], [8, 9]],
      [[2, 3, 4, 5], [6, 7, 8, 9]], 32 << 10),
     ("four-replicas-one-node", ((4,), ("fsdp",), (0, 1), 2), [[2], [3], [4], [5]], [[2, 3, 4, 5]], 48 << 10),
+    # Four replicas per node: stage 2 carries three times stage 1's bytes.
+    ("fsdp4-tp1x8-two-nodes-of-four", ((4,), ("fsdp",), (0, 1, 2, 3), 1), [[r] for r in range(4, 12)],
+     [[0, 1], [2, 3], [4, 5, 6, 7], [8, 9, 10, 11]], 64 << 10),
     ("replicas-split-across-nodes", ((4,), ("fsdp",), (0, 1), 2), [[2, 3], [4, 5], [6, 7]],
      [[2, 3, 4], [5, 6, 7]], 32 << 10),
 ]
@@ -97,8 +100,9 @@ def test_mixed_buckets_keep_every_ranks_send_and_receive_cap(plans):
     assert max(received[k] for k in mixed) > two.bucket_bytes // 2  # and the cap still binds there
 
 
-def test_benchmark_layout_sends_most_of_stage2_beside_stage1():
-    two, _ = _plans(CASES[0])
+@pytest.mark.parametrize("case", [c for c in CASES if c[0].startswith("fsdp4-tp1")], ids=lambda c: c[0])
+def test_most_of_stage2_travels_beside_stage1(case):
+    two, _ = _plans(case)
     bucket = _bucket_of(two)
     last1 = max(bucket[i] for i, t in enumerate(two.moves) if t.stage == 1)
     stage2 = [(bucket[i], t.nbytes) for i, t in enumerate(two.moves) if t.stage == 2]
