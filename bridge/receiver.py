@@ -164,8 +164,10 @@ class Receiver:
 
     In a two-stage plan (``BridgePlan(..., hierarchical=...)``) this rank also forwards, in
     stage 2, the slices it received in stage 1 to the ranks of its domain that need them, from
-    its shadow copy (or the params when ``atomic=False``); nothing is committed before the final
-    ack, so a failure in stage 2 leaves every receiver's weights unchanged.
+    its shadow copy (or the params when ``atomic=False``), in buckets that stage 1 shares, at
+    least two buckets after those slices arrived (``bridge._plan.STAGE2_LAG``); nothing is
+    committed before the final ack, so a failure in stage 2 leaves every receiver's weights
+    unchanged.
 
     Attributes:
       version: the training step of the weights now in ``params`` (``None`` before the first sync).
