@@ -46,7 +46,8 @@ the last repetition: packing, votes, posting, waiting, checksums, unpacking, the
 with ``--hierarchical``, where the two floors' time goes (medians over the repetitions per rank:
 the trainers' relayout, pack copies and raw p2p; the receivers' raw p2p, which includes waiting for
 the trainers, and unpack copies) and the CPU time each row takes per rank (``time.process_time``:
-every thread of the process), in all beside the wall time times the cores.
+every thread of the process; ``time.thread_time``: the thread that calls it), in all beside the wall
+time times the cores.
 
 Usage: python benchmarks/bridge_bench.py [--layers 8 --hidden 1024 --reps 5 --bucket-mb 16 --plain --profile
                                           --hierarchical]
@@ -317,13 +318,15 @@ def worker(args) -> None:
     runs.update(gather=gather, raw=raw_p2p, floor=floor, copies=lambda: floor("copies"), rawb=raw_bucketed)
     call: dict[str, float] = {}  # per row, this rank's seconds in its last call
     cpu: dict[str, list[float]] = {k: [] for k in runs}  # per row, this process's CPU seconds (all its threads)
+    main_cpu: dict[str, list[float]] = {k: [] for k in runs}  # per row, the CPU seconds of the calling thread
 
     def clocked(k: str, fn):
         def run():
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
             fn()
             call[k] = time.perf_counter() - t0
             cpu[k].append(time.process_time() - c0)
+            main_cpu[k].append(time.thread_time() - m0)
         return run
 
     runs = {k: clocked(k, fn) for k, fn in runs.items()}
@@ -341,7 +344,8 @@ def worker(args) -> None:
     print("FLOOR " + json.dumps({"rank": rank, "copied": copied, "floor_copied": forced[0].numel(), "copy_runs":
                                  len(real), "phases": {ref: {k: v[1:] for k, v in ph.items()}
                                                        for ref, ph in phases.items()},
-                                 "cpu": {k: v[1:] for k, v in cpu.items()}}), flush=True)
+                                 "cpu": {k: v[1:] for k, v in cpu.items()},
+                                 "main_cpu": {k: v[1:] for k, v in main_cpu.items()}}), flush=True)
     if rank == RECEIVERS[0]:
         same = all(torch.equal(t[n], sliced[n]) for t in (local, swapped, inplace) for n in local)
         out = {"times": times, "bridge_equals_gather": same, "network_bytes": plan.network_bytes,
@@ -614,12 +618,14 @@ def _cpu(rows: list[dict], res: dict) -> None:
     """CPU time per call of every row, per rank and in all, beside the CPU time the cores could give."""
     rows = sorted(rows, key=lambda r: r["rank"])
     cores = os.cpu_count() or 1
-    print(f"CPU time per call (every thread of each process; medians over the repetitions), ms: per rank, in all, "
-          f"and the wall time x {cores} cores:")
+    print(f"CPU time per call (every thread of each process, and in brackets the calling thread's; medians over "
+          f"the repetitions), ms: per rank, in all, and the wall time x {cores} cores:")
     for k in rows[0]["cpu"]:
         per = [statistics.median(r["cpu"][k]) * 1e3 for r in rows]
+        main = [statistics.median(r["main_cpu"][k]) * 1e3 for r in rows]
         wall = statistics.median(res["times"][k]) * 1e3
-        print(f"  {k:<9} " + "  ".join(f"rank {r['rank']} {c:7.1f}" for r, c in zip(rows, per, strict=True))
+        print(f"  {k:<9} " + "  ".join(f"rank {r['rank']} {c:7.1f} ({m:6.1f})" for r, c, m in zip(rows, per, main,
+                                                                                                 strict=True))
               + f"   all {sum(per):7.1f}  of {wall * cores:7.1f}")
 
 
