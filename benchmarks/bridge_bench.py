@@ -29,8 +29,9 @@ over gloo. The weights are float32 in JAX and bfloat16 on the inference ranks.
              the floor with the real copies instead of contiguous ones of as many bytes: the
              same pieces the bridge packs and unpacks, addressed as it addresses them
              (BridgePlan.segments / segment_pieces, src_region, param_box, view_of), copied
-             strided from and to preallocated tensors of the real shapes (the shards, cast and
-             transposed, and the params), views built beforehand; in sequence, no protocol, no
+             strided from and to preallocated tensors of the real shapes (the shards as the
+             bridge reads them: transposed by XLA in the param dtype, or as they are, the copy
+             casting; the params), views built beforehand; in sequence, no protocol, no
              staging. Each rank prints the bytes it copies beside those of the floor's copy
 
 With ``--hierarchical`` it runs instead 2 trainer processes and 2 "nodes" of 2 inference ranks
