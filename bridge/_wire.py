@@ -419,205 +419,216 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
             "group of exactly the trainer and inference ranks (torch.distributed.new_group)."
         )
     with _alarm_for(group, rank, ranks):
-        start = time.perf_counter()
-        tally: dict[str, float] = dict.fromkeys(
-            ("sent", "received", "cross_domain_sent", "cross_domain_received", "pack", "vote", "post", "wait", "check",
-             "unpack", "handshake", "seconds"), 0.0)
-        if stats is not None:
-            stats.clear()
-            stats.update(tally)
-            tally = stats
-        version, checksum = _handshake(plan, rank, ranks, group, role, status, version, checksum,
-                                       time.monotonic() + ready_timeout)
-        every = 1 if checksum else vote_every(plan)
-        deadline = time.monotonic() + timeout
-        tally["handshake"] = time.perf_counter() - start
-        home = plan.domain_of(rank)
-        if arena is None:
-            arena = new_arena()  # [send|recv][parity] uint8 buffers of up to bucket_bytes
+        return _run(plan, rank, group, ranks, role=role, version=version, status=status, timeout=timeout,
+                    ready_timeout=ready_timeout, pack=pack, recv=recv, unpack=unpack, progress=progress,
+                    device=device, arena=arena, checksum=checksum, stats=stats)
 
-        def buffers(kind: int, b: int, msgs: list[Message]) -> list[torch.Tensor]:
-            total = sum(m.nbytes for m in msgs)
-            buf = arena[kind][b % 2]
-            if buf is None or buf.numel() < total or buf.device != torch.device(device):
-                buf = arena[kind][b % 2] = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
-            out, off = [], 0
-            for m in msgs:
-                out.append(buf[off:off + m.nbytes])
-                off += m.nbytes
-            return out
 
-        def prepare(b: int) -> _Bucket:
-            sends, recvs = plan.sends(rank, b), plan.recvs(rank, b)
-            ops: list[_Op] = []
-            packed = []
-            for m, buf in zip(sends, buffers(0, b, sends), strict=True):
-                xs = pack(m, buf)
-                _check_sizes(plan, m, xs)
-                packed.append((m, xs))
-                ops += [_Op(dist.isend, m.dst, x) for x in xs]
-            rbufs = buffers(1, b, recvs)
-            rtensors = []
-            for m, buf in zip(recvs, rbufs, strict=True):
-                xs = recv(m, buf)
-                rtensors.append(xs)
-                ops += [_Op(dist.irecv, m.src, x) for x in xs]
-            return _Bucket(ops, recvs, rbufs, packed, rtensors)
+def _run(plan: BridgePlan, rank: int, group, ranks: list[int], *, role: int, version: int, status: int,
+         timeout: float, ready_timeout: float, pack: Callable[[Message, torch.Tensor], list[torch.Tensor]],
+         recv: Callable[[Message, torch.Tensor], list[torch.Tensor]],
+         unpack: Callable[[Message, torch.Tensor], None], progress: bool | None, device: torch.device | str,
+         arena: list | None, checksum: bool, stats: dict[str, float] | None) -> int:
+    """``run_sync`` for a checked group of ``ranks``, inside the sync's alarm."""
+    start = time.perf_counter()
+    tally: dict[str, float] = dict.fromkeys(
+        ("sent", "received", "cross_domain_sent", "cross_domain_received", "pack", "vote", "post", "wait", "check",
+         "unpack", "handshake", "seconds"), 0.0)
+    if stats is not None:
+        stats.clear()
+        stats.update(tally)
+        tally = stats
+    version, checksum = _handshake(plan, rank, ranks, group, role, status, version, checksum,
+                                   time.monotonic() + ready_timeout)
+    every = 1 if checksum else vote_every(plan)
+    deadline = time.monotonic() + timeout
+    tally["handshake"] = time.perf_counter() - start
+    home = plan.domain_of(rank)
+    if arena is None:
+        arena = new_arena()  # [send|recv][parity] uint8 buffers of up to bucket_bytes
 
-        def scratch(b: int) -> _Bucket:
-            """Bucket ``b`` of a rank that failed earlier, with no vote to announce it before the payload:
-            staging bytes of the planned sizes are sent and received (its peers post the same operations
-            for the bucket, and a wrong-size message never reaches gloo); nothing is unpacked."""
-            ops: list[_Op] = []
-            for kind, fn, msgs in ((0, dist.isend, plan.sends(rank, b)), (1, dist.irecv, plan.recvs(rank, b))):
-                for m, buf in zip(msgs, buffers(kind, b, msgs), strict=True):
-                    ops += [_Op(fn, m.dst if kind == 0 else m.src, buf[s.start:s.stop]) for s in plan.segments(m)]
-            return _Bucket(ops, [], [], [], [])
+    def buffers(kind: int, b: int, msgs: list[Message]) -> list[torch.Tensor]:
+        total = sum(m.nbytes for m in msgs)
+        buf = arena[kind][b % 2]
+        if buf is None or buf.numel() < total or buf.device != torch.device(device):
+            buf = arena[kind][b % 2] = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
+        out, off = [], 0
+        for m in msgs:
+            out.append(buf[off:off + m.nbytes])
+            off += m.nbytes
+        return out
 
-        def post(state: _Bucket, b: int) -> list:
-            ops = [dist.P2POp(op.fn, op.buf, op.peer, group) for op in state.ops]
-            for op in state.ops:
-                n = op.buf.numel() * op.buf.element_size()
-                way = "sent" if op.fn is dist.isend else "received"
-                tally[way] += n
-                if plan.domain_of(op.peer) != home:
-                    tally["cross_domain_" + way] += n
-            try:
-                return dist.batch_isend_irecv(ops) if ops else []
-            except RuntimeError as e:  # gloo fails at once when a peer's connection is already closed
-                raise _give_up(SyncError(f"rank {rank}: posting bucket {b + 1}/{plan.num_buckets} failed: {e}")) from e
+    def prepare(b: int) -> _Bucket:
+        sends, recvs = plan.sends(rank, b), plan.recvs(rank, b)
+        ops: list[_Op] = []
+        packed = []
+        for m, buf in zip(sends, buffers(0, b, sends), strict=True):
+            xs = pack(m, buf)
+            _check_sizes(plan, m, xs)
+            packed.append((m, xs))
+            ops += [_Op(dist.isend, m.dst, x) for x in xs]
+        rbufs = buffers(1, b, recvs)
+        rtensors = []
+        for m, buf in zip(recvs, rbufs, strict=True):
+            xs = recv(m, buf)
+            rtensors.append(xs)
+            ops += [_Op(dist.irecv, m.src, x) for x in xs]
+        return _Bucket(ops, recvs, rbufs, packed, rtensors)
 
-        def cast(b: int, state: _Bucket | None, mine: Status, sums: Future | None) -> _Ballot:
-            """Posts this rank's row of the vote on bucket ``b`` (``nb``: the final ack); ``count`` waits for it."""
-            length = _vote.row_length(plan, b, ranks)
-            row = _vote.make_row(plan, b, length, mine, state.sends if state is not None else [], checksum,
-                                 sums.result() if sums is not None else None)
-            table = [torch.empty_like(row) for _ in ranks]
-            return _Ballot(dist.all_gather(table, row, group=group, async_op=True), table)
+    def scratch(b: int) -> _Bucket:
+        """Bucket ``b`` of a rank that failed earlier, with no vote to announce it before the payload:
+        staging bytes of the planned sizes are sent and received (its peers post the same operations
+        for the bucket, and a wrong-size message never reaches gloo); nothing is unpacked."""
+        ops: list[_Op] = []
+        for kind, fn, msgs in ((0, dist.isend, plan.sends(rank, b)), (1, dist.irecv, plan.recvs(rank, b))):
+            for m, buf in zip(msgs, buffers(kind, b, msgs), strict=True):
+                ops += [_Op(fn, m.dst if kind == 0 else m.src, buf[s.start:s.stop]) for s in plan.segments(m)]
+        return _Bucket(ops, [], [], [], [])
 
-        def count(b: int, ballot: _Ballot) -> dict[tuple[int, int], int]:
-            """Waits for the vote on bucket ``b``; raises the verdict's SyncError, else returns the digests
-            announced."""
-            table = ballot.table
-            what = f"the vote on bucket {b + 1}/{nb}" if b < nb else "the final ack"
-            _wait(ballot.work, deadline, what, rank)
-            if b == nb and time.monotonic() > deadline - min(0.5, 0.05 * timeout):
-                # The others give up at the deadline: committing now could leave receivers on different versions.
-                raise _give_up(SyncError(
-                    f"rank {rank}: the final ack completed at the sync's deadline, when other ranks may already "
-                    "have given up; nothing was committed. The process group is no longer usable: call "
-                    "bridge.rebuild_group(...) on every rank, then retry."))
-            failure = _vote.verdict(plan, b, ranks, table)
-            if failure is not None:
-                raise SyncError(_vote.describe(plan, rank, failure))
-            return _vote.expected_digests(plan, b, rank, ranks, table) if b < nb else {}
-
-        def check(state: _Bucket, b: int, expected: dict[tuple[int, int], int]) -> Status:
-            for m, xs in zip(state.recvs, state.rtensors, strict=True):
-                like = {i: expected.get((m.src, i), _vote.UNCHECKED) for i, _ in m.pieces}
-                got = _vote.digests(plan, m, xs, like) if any(like.values()) else []
-                for (i, _), d in zip(m.pieces, got, strict=False):
-                    want = expected.get((m.src, i), _vote.UNCHECKED)
-                    if want != _vote.UNCHECKED and d != _vote.UNCHECKED and d != want:
-                        return Status(Code.CHECKSUM, b, m.src, i, "checksum mismatch")
-            return Status()
-
-        def failed(b: int, e: Exception) -> Status:
-            log.exception("rank %d failed in bucket %d", rank, b + 1)
-            return Status(Code.ERROR, b, -1, -1, f"{type(e).__name__}: {e}")
-
-        def unpack_all(state: _Bucket | None, b: int, mine: Status) -> Status:
-            if state is None or mine.code != Code.OK:
-                return mine
-            try:
-                for m, buf in zip(state.recvs, state.rbufs, strict=True):
-                    unpack(m, buf)
-            except Exception as e:  # announced in the next vote
-                return failed(b, e)
-            if bar is not None:
-                bar.update(sum(op.buf.numel() * op.buf.element_size() for op in state.ops))
-            return mine
-
-        nb = plan.num_buckets
-        bar = _progress(progress, sum(m.nbytes for m in plan.messages if rank in (m.src, m.dst)), rank)
-        mine: Status = Status()
-        cur: _Bucket | None = None
-        works: list = []
-        expected: dict[tuple[int, int], int] = {}
-        clock = time.perf_counter
-
-        def timed(step: str, fn: Callable[..., Any], *args: Any) -> Any:
-            t0 = clock()
-            try:
-                return fn(*args)
-            finally:
-                tally[step] += clock() - t0
-
-        def wait_all(works: list, state: _Bucket | None, b: int) -> None:
-            pairs = list(zip(works, state.ops if state is not None else list[_Op](), strict=True))
-
-            def job() -> None:
-                for w, op in pairs:
-                    _wait_once(w, deadline, f"bucket {b}/{nb} with peer rank {op.peer}", rank)
-
-            if pairs:
-                _await(job, f"bucket {b}/{nb}", rank)
-
-        def finish(state: _Bucket | None, b: int, mine: Status, expected: dict) -> Status:
-            """Checks the digests of bucket ``b`` (``state``, arrived), then unpacks it."""
-            if state is not None and mine.code == Code.OK:
-                mine = timed("check", check, state, b, expected)
-            return timed("unpack", unpack_all, state, b, mine)
-
-        # The digests of what this rank sends in a bucket are computed in a thread (xxhash releases the
-        # GIL) while it waits for the previous bucket; the vote carries them.
-        hasher = ThreadPoolExecutor(1, thread_name_prefix="bridge-digests") if checksum else None
+    def post(state: _Bucket, b: int) -> list:
+        ops = [dist.P2POp(op.fn, op.buf, op.peer, group) for op in state.ops]
+        for op in state.ops:
+            n = op.buf.numel() * op.buf.element_size()
+            way = "sent" if op.fn is dist.isend else "received"
+            tally[way] += n
+            if plan.domain_of(op.peer) != home:
+                tally["cross_domain_" + way] += n
         try:
-            # Bucket b+1 is packed while bucket b is on the wire, and bucket b is checked and unpacked
-            # while bucket b+1 is; a failure there is announced in the vote after. Each bucket's payload
-            # is posted only after every rank voted for it. So bucket b is packed once buckets up to b-2
-            # are unpacked: what a stage-2 message of bucket b forwards arrived in stage-1 buckets up to
-            # b-2 (``bridge._plan.STAGE2_LAG``), and nothing waits for stage 1 to finish.
-            for b in range(nb + 1):
-                nxt, sums = None, None
-                voting = b == nb or every == 1 or (b > 0 and b % every == 0)
-                if b < nb and mine.code == Code.OK:
-                    try:
-                        nxt = timed("pack", prepare, b)
-                    except _WrongCount as e:  # announced in the next vote as a wrong-size message
-                        mine = e.status
-                    except Exception as e:  # announced in the next vote
-                        mine = failed(b, e)
-                if b < nb and nxt is None and not voting:  # a failure, announced in the next vote
-                    nxt = scratch(b)
-                if nxt is not None and hasher is not None and nxt.sends:
-                    sums = hasher.submit(_vote.send_digests, plan, nxt.sends, True)
-                # The vote on bucket b travels while bucket b-1 is on the wire. Not the final ack, which
-                # announces the check and unpacking of the last bucket, nor a vote that carries digests
-                # (computed in the hasher thread meanwhile).
-                early = timed("vote", cast, b, nxt, mine, sums) if voting and b < nb and sums is None else None
-                timed("wait", wait_all, works, cur, b)
-                if b == nb:  # the last bucket is checked and unpacked before the final ack, which announces a failure
-                    mine = finish(cur, b - 1, mine, expected)
-                new_expected = {}
-                if voting:
-                    ballot = early if early is not None else timed("vote", cast, b, nxt, mine, sums)
-                    new_expected = timed("vote", count, b, ballot)
-                works = timed("post", post, nxt, b) if nxt is not None else []
-                if b < nb:
-                    mine = finish(cur, b - 1, mine, expected)
-                cur, expected = nxt, new_expected
+            return dist.batch_isend_irecv(ops) if ops else []
+        except RuntimeError as e:  # gloo fails at once when a peer's connection is already closed
+            raise _give_up(SyncError(f"rank {rank}: posting bucket {b + 1}/{plan.num_buckets} failed: {e}")) from e
+
+    def cast(b: int, state: _Bucket | None, mine: Status, sums: Future | None) -> _Ballot:
+        """Posts this rank's row of the vote on bucket ``b`` (``nb``: the final ack); ``count`` waits for it."""
+        length = _vote.row_length(plan, b, ranks)
+        row = _vote.make_row(plan, b, length, mine, state.sends if state is not None else [], checksum,
+                             sums.result() if sums is not None else None)
+        table = [torch.empty_like(row) for _ in ranks]
+        return _Ballot(dist.all_gather(table, row, group=group, async_op=True), table)
+
+    def count(b: int, ballot: _Ballot) -> dict[tuple[int, int], int]:
+        """Waits for the vote on bucket ``b``; raises the verdict's SyncError, else returns the digests
+        announced."""
+        table = ballot.table
+        what = f"the vote on bucket {b + 1}/{nb}" if b < nb else "the final ack"
+        _wait(ballot.work, deadline, what, rank)
+        if b == nb and time.monotonic() > deadline - min(0.5, 0.05 * timeout):
+            # The others give up at the deadline: committing now could leave receivers on different versions.
+            raise _give_up(SyncError(
+                f"rank {rank}: the final ack completed at the sync's deadline, when other ranks may already "
+                "have given up; nothing was committed. The process group is no longer usable: call "
+                "bridge.rebuild_group(...) on every rank, then retry."))
+        failure = _vote.verdict(plan, b, ranks, table)
+        if failure is not None:
+            raise SyncError(_vote.describe(plan, rank, failure))
+        return _vote.expected_digests(plan, b, rank, ranks, table) if b < nb else {}
+
+    def check(state: _Bucket, b: int, expected: dict[tuple[int, int], int]) -> Status:
+        for m, xs in zip(state.recvs, state.rtensors, strict=True):
+            like = {i: expected.get((m.src, i), _vote.UNCHECKED) for i, _ in m.pieces}
+            got = _vote.digests(plan, m, xs, like) if any(like.values()) else []
+            for (i, _), d in zip(m.pieces, got, strict=False):
+                want = expected.get((m.src, i), _vote.UNCHECKED)
+                if want != _vote.UNCHECKED and d != _vote.UNCHECKED and d != want:
+                    return Status(Code.CHECKSUM, b, m.src, i, "checksum mismatch")
+        return Status()
+
+    def failed(b: int, e: Exception) -> Status:
+        log.exception("rank %d failed in bucket %d", rank, b + 1)
+        return Status(Code.ERROR, b, -1, -1, f"{type(e).__name__}: {e}")
+
+    def unpack_all(state: _Bucket | None, b: int, mine: Status) -> Status:
+        if state is None or mine.code != Code.OK:
+            return mine
+        try:
+            for m, buf in zip(state.recvs, state.rbufs, strict=True):
+                unpack(m, buf)
+        except Exception as e:  # announced in the next vote
+            return failed(b, e)
+        if bar is not None:
+            bar.update(sum(op.buf.numel() * op.buf.element_size() for op in state.ops))
+        return mine
+
+    nb = plan.num_buckets
+    bar = _progress(progress, sum(m.nbytes for m in plan.messages if rank in (m.src, m.dst)), rank)
+    mine: Status = Status()
+    cur: _Bucket | None = None
+    works: list = []
+    expected: dict[tuple[int, int], int] = {}
+    clock = time.perf_counter
+
+    def timed(step: str, fn: Callable[..., Any], *args: Any) -> Any:
+        t0 = clock()
+        try:
+            return fn(*args)
         finally:
-            if hasher is not None:
-                hasher.shutdown(wait=True, cancel_futures=True)
-            if bar is not None:
-                bar.close()
-        elapsed = tally["seconds"] = time.perf_counter() - start
-        nbytes = sum(m.nbytes for m in plan.messages if rank in (m.src, m.dst))
-        log.info("rank %d synced version %d: %s bytes in %d buckets, %.3f s (%.2f GB/s, pid %d)",
-                 rank, version, f"{nbytes:,}", plan.num_buckets, elapsed, nbytes / max(elapsed, 1e-9) / 1e9,
-                 os.getpid())
-        return version
+            tally[step] += clock() - t0
+
+    def wait_all(works: list, state: _Bucket | None, b: int) -> None:
+        pairs = list(zip(works, state.ops if state is not None else list[_Op](), strict=True))
+
+        def job() -> None:
+            for w, op in pairs:
+                _wait_once(w, deadline, f"bucket {b}/{nb} with peer rank {op.peer}", rank)
+
+        if pairs:
+            _await(job, f"bucket {b}/{nb}", rank)
+
+    def finish(state: _Bucket | None, b: int, mine: Status, expected: dict) -> Status:
+        """Checks the digests of bucket ``b`` (``state``, arrived), then unpacks it."""
+        if state is not None and mine.code == Code.OK:
+            mine = timed("check", check, state, b, expected)
+        return timed("unpack", unpack_all, state, b, mine)
+
+    # The digests of what this rank sends in a bucket are computed in a thread (xxhash releases the
+    # GIL) while it waits for the previous bucket; the vote carries them.
+    hasher = ThreadPoolExecutor(1, thread_name_prefix="bridge-digests") if checksum else None
+    try:
+        # Bucket b+1 is packed while bucket b is on the wire, and bucket b is checked and unpacked
+        # while bucket b+1 is; a failure there is announced in the vote after. Each bucket's payload
+        # is posted only after every rank voted for it. So bucket b is packed once buckets up to b-2
+        # are unpacked: what a stage-2 message of bucket b forwards arrived in stage-1 buckets up to
+        # b-2 (``bridge._plan.STAGE2_LAG``), and nothing waits for stage 1 to finish.
+        for b in range(nb + 1):
+            nxt, sums = None, None
+            voting = b == nb or every == 1 or (b > 0 and b % every == 0)
+            if b < nb and mine.code == Code.OK:
+                try:
+                    nxt = timed("pack", prepare, b)
+                except _WrongCount as e:  # announced in the next vote as a wrong-size message
+                    mine = e.status
+                except Exception as e:  # announced in the next vote
+                    mine = failed(b, e)
+            if b < nb and nxt is None and not voting:  # a failure, announced in the next vote
+                nxt = scratch(b)
+            if nxt is not None and hasher is not None and nxt.sends:
+                sums = hasher.submit(_vote.send_digests, plan, nxt.sends, True)
+            # The vote on bucket b travels while bucket b-1 is on the wire. Not the final ack, which
+            # announces the check and unpacking of the last bucket, nor a vote that carries digests
+            # (computed in the hasher thread meanwhile).
+            early = timed("vote", cast, b, nxt, mine, sums) if voting and b < nb and sums is None else None
+            timed("wait", wait_all, works, cur, b)
+            if b == nb:  # the last bucket is checked and unpacked before the final ack, which announces a failure
+                mine = finish(cur, b - 1, mine, expected)
+            new_expected = {}
+            if voting:
+                ballot = early if early is not None else timed("vote", cast, b, nxt, mine, sums)
+                new_expected = timed("vote", count, b, ballot)
+            works = timed("post", post, nxt, b) if nxt is not None else []
+            if b < nb:
+                mine = finish(cur, b - 1, mine, expected)
+            cur, expected = nxt, new_expected
+    finally:
+        if hasher is not None:
+            hasher.shutdown(wait=True, cancel_futures=True)
+        if bar is not None:
+            bar.close()
+    elapsed = tally["seconds"] = time.perf_counter() - start
+    nbytes = sum(m.nbytes for m in plan.messages if rank in (m.src, m.dst))
+    log.info("rank %d synced version %d: %s bytes in %d buckets, %.3f s (%.2f GB/s, pid %d)",
+             rank, version, f"{nbytes:,}", plan.num_buckets, elapsed, nbytes / max(elapsed, 1e-9) / 1e9,
+             os.getpid())
+    return version
 
 
 class _WrongCount(Exception):
