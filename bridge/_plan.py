@@ -277,7 +277,7 @@ class BridgePlan:
         cap = self.bucket_bytes
         if later is None:
             return {}, cap
-        got = [_received(plan, jobs), _received(later, second)]
+        got = [plan.stats().recv_bytes, later.stats().recv_bytes]  # bytes each rank gets from another one
         share = {d: min(cap * n // (got[0].get(d, 0) + n), cap - cap // MAX_SPLIT) // ALIGN * ALIGN
                  for d, n in got[1].items()}
         return share, max(ALIGN, (cap - max(share.values(), default=0)) // ALIGN * ALIGN)
@@ -533,20 +533,6 @@ def bridge_domains(domains: Any, ranks: Sequence[int]) -> Domains:
         return domains
     listed = {r for g in domains.groups for r in g}
     return Domains.from_groups([*domains.groups, *([r] for r in sorted(set(ranks) - listed))])
-
-
-def _received(plan: Any, jobs: list[Job]) -> dict[int, int]:
-    """Bytes each destination device of ``plan`` receives from another one (before cutting into pieces)."""
-    out: dict[int, int] = defaultdict(int)
-    for job in jobs:
-        tp = plan[job.name]
-        if not len(tp.move_src):
-            continue
-        sizes = np.prod(np.asarray(tp.move_hi) - np.asarray(tp.move_lo), axis=1) * tp.itemsize
-        for s, d, n in zip(tp.move_src, tp.move_dst, sizes.tolist(), strict=True):
-            if s != d:
-                out[int(d)] += int(n)
-    return dict(out)
 
 
 def _contiguous(box: Any, shape: Any) -> bool:
