@@ -341,6 +341,7 @@ def predictions(a, links: Links) -> dict[str, dict[str, float]]:
     """
     import numpy as np
 
+    from bridge._plan import STAGE2_LAG
     from jreshard import Layout, Mesh
     from jreshard.fleet.cost import compare
     from jreshard.nn import fsdp_spec, param_shapes
@@ -356,7 +357,7 @@ def predictions(a, links: Links) -> dict[str, dict[str, float]]:
         dst = {p: Layout(s, dst_mesh, (), dtype) for p, s in shapes.items()}
         out[part] = {}
         # How the executor runs the two stages: the bridge in shared buckets, transfer one after the other.
-        lag = _bridge_lag() if part == "a" else 0
+        lag = STAGE2_LAG if part == "a" else 0
         for copies, tag, overlap in ((True, "", lag), (False, "_links", lag), (True, "_serial", 0)):
             if tag == "_serial" and not lag:
                 continue
@@ -365,14 +366,6 @@ def predictions(a, links: Links) -> dict[str, dict[str, float]]:
             out[part].update({"never" + tag: c.direct.seconds, "always" + tag: hier.seconds})
         out[part].update(never_bytes=c.direct.network_bytes, always_bytes=hier.network_bytes)
     return out
-
-
-def _bridge_lag() -> int:
-    """Buckets between the bridge's stage-1 sends and the stage-2 sends that forward them (0: the
-    bridge runs its stages one after the other, as it did before ``STAGE2_LAG``)."""
-    from bridge import _plan
-
-    return int(getattr(_plan, "STAGE2_LAG", 0))
 
 
 def _copy_probe(seconds: float, start_at: float) -> None:

@@ -35,7 +35,7 @@ from jreshard.core.hierarchical import StagePart, TwoStagePlan
 from jreshard.core.layout import Layout
 from jreshard.core.planner import Plan, plan
 from jreshard.fleet.hardware import Topology
-from jreshard.fleet.traffic import Prediction, plan_traffic, predict_plan
+from jreshard.fleet.traffic import Prediction, plan_traffic, predict, predict_plan
 
 __all__ = ["TwoStagePlan", "StagePart", "hierarchical_plan", "predict_two_stage", "stage_parts",
            "has_domain_replicas", "decide", "Decision", "HIERARCHICAL"]
@@ -105,14 +105,15 @@ def predict_two_stage(tsp: TwoStagePlan, topo: Topology, *, overlap: int = 0) ->
     if not isinstance(overlap, int) or isinstance(overlap, bool) or overlap < 0:
         raise ValueError(f"overlap must be an int >= 0 (buckets between a stage-1 send and the stage-2 sends "
                          f"that forward it; 0: the stages run one after the other), got {overlap!r}.")
-    first = predict_plan(tsp.stage1, topo)
+    one = plan_traffic(tsp.stage1, topo)
+    first = predict(one, topo)
     if tsp.stage2 is None:
         return first
-    second = predict_plan(tsp.stage2, topo)
+    two = plan_traffic(tsp.stage2, topo)
+    second = predict(two, topo)
     serial = first + second
     if not overlap:
         return serial
-    one, two = plan_traffic(tsp.stage1, topo), plan_traffic(tsp.stage2, topo)
     n = max(len(one.net_in), len(two.net_in))
     one.grow(n)
     two.grow(n)
