@@ -147,7 +147,8 @@ class BridgePlan:
     Args:
       source: the trainer leaves and their Layouts over source ids.
       param_map: every torch rank's params (``mapping=`` is its old name).
-      bucket_bytes: the most bytes one rank sends, or receives, per bucket (its staging memory).
+      bucket_bytes: the most bytes one rank sends, or receives, per bucket (its staging memory; the
+        default atomic ``Receiver`` holds a whole sync instead, its params' bytes at most, plus 64 per message).
       balance: balance replicated trainer shards across senders (see ``jreshard.plan``).
       hierarchical: ``"always"``: two-stage delivery wherever a domain holds two replicas of a
         region (stage 1 sends each byte into each domain once, spread over its replicas;

@@ -31,7 +31,10 @@ Protocol of one sync, every rank of the group taking part:
    there; a piece contiguous in the receiver's param is received straight into
    it; the other pieces travel packed, runs of them as one operation. Bucket buffers
    come from two arenas per side, so the sender packs bucket b+1 while bucket b is on
-   the wire and the receiver checks and unpacks bucket b while bucket b+1 arrives. The vote
+   the wire and the receiver checks and unpacks bucket b while bucket b+1 arrives. A rank
+   that only receives, into memory of its own (the default atomic ``Receiver``, which holds
+   every message until the final ack), posts the receives of every bucket up to the next vote
+   at once, so the senders never wait for it between buckets. The vote
    on bucket b+1 travels while bucket b is on the wire (except a vote that carries digests,
    cast once they are computed), and is counted once bucket b arrived. Receivers
    check every piece's digest before unpacking it and report a mismatch in the next vote
@@ -388,7 +391,7 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
              recv: Callable[[Message, torch.Tensor], list[torch.Tensor]],
              unpack: Callable[[Message, torch.Tensor], None], progress: bool | None = None,
              device: torch.device | str = "cpu", arena: list | None = None, checksum: bool = False,
-             stats: dict[str, float] | None = None) -> int:
+             stats: dict[str, float] | None = None, stage_recvs: bool = True) -> int:
     """Runs the protocol for one rank; returns the agreed version. Raises SyncError on any failure.
 
     Per message, ``pack(m, buf)`` returns the tensors to send, one per segment of
@@ -396,6 +399,8 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
     to receive into, one per segment, and ``unpack(m, buf)`` runs once they arrived.
     Staging buffers live on ``device`` (the parameters' device: CUDA with NCCL, CPU with gloo);
     pass the same ``arena`` (``[[None, None], [None, None]]``) to every sync to reuse them.
+    ``stage_recvs=False``: ``recv`` gives memory of its own for every segment, so no receive
+    buffer is set aside (``recv`` and ``unpack`` are then given an empty one).
     ``timeout`` bounds everything after the handshake (every bucket and the final ack) as one
     deadline. ``checksum``: this rank asks for digests; when any rank asks (the handshake tells),
     every rank announces a digest of every piece it sends and votes on every bucket, otherwise
@@ -421,14 +426,14 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
     with _alarm_for(group, rank, ranks):
         return _run(plan, rank, group, ranks, role=role, version=version, status=status, timeout=timeout,
                     ready_timeout=ready_timeout, pack=pack, recv=recv, unpack=unpack, progress=progress,
-                    device=device, arena=arena, checksum=checksum, stats=stats)
+                    device=device, arena=arena, checksum=checksum, stats=stats, stage_recvs=stage_recvs)
 
 
 def _run(plan: BridgePlan, rank: int, group, ranks: list[int], *, role: int, version: int, status: int,
          timeout: float, ready_timeout: float, pack: Callable[[Message, torch.Tensor], list[torch.Tensor]],
          recv: Callable[[Message, torch.Tensor], list[torch.Tensor]],
          unpack: Callable[[Message, torch.Tensor], None], progress: bool | None, device: torch.device | str,
-         arena: list | None, checksum: bool, stats: dict[str, float] | None) -> int:
+         arena: list | None, checksum: bool, stats: dict[str, float] | None, stage_recvs: bool) -> int:
     """``run_sync`` for a checked group of ``ranks``, inside the sync's alarm."""
     start = time.perf_counter()
     tally: dict[str, float] = dict.fromkeys(
@@ -467,7 +472,7 @@ def _run(plan: BridgePlan, rank: int, group, ranks: list[int], *, role: int, ver
             _check_sizes(plan, m, xs)
             packed.append((m, xs))
             ops += [_Op(dist.isend, m.dst, x) for x in xs]
-        rbufs = buffers(1, b, recvs)
+        rbufs = buffers(1, b, recvs) if stage_recvs else [torch.empty(0, dtype=torch.uint8, device=device)] * len(recvs)
         rtensors = []
         for m, buf in zip(recvs, rbufs, strict=True):
             xs = recv(m, buf)
@@ -550,6 +555,15 @@ def _run(plan: BridgePlan, rank: int, group, ranks: list[int], *, role: int, ver
         return mine
 
     nb = plan.num_buckets
+
+    def votes_at(c: int) -> bool:
+        return c == nb or every == 1 or (c > 0 and c % every == 0)
+
+    # A rank that only receives, into memory of its own (``stage_recvs=False``: nothing is reused or
+    # unpacked between buckets), posts the receives of every bucket up to the next vote at once, so
+    # senders never wait for it between buckets (a vote still comes before the payloads it covers).
+    ahead = not stage_recvs and all(m.src != rank for m in plan.messages)
+    posted: dict[int, tuple[_Bucket, list]] = {}  # buckets posted ahead, with their works
     bar = _progress(progress, sum(m.nbytes for m in plan.messages if rank in (m.src, m.dst)), rank)
     mine: Status = Status()
     cur: _Bucket | None = None
@@ -590,9 +604,11 @@ def _run(plan: BridgePlan, rank: int, group, ranks: list[int], *, role: int, ver
         # are unpacked: what a stage-2 message of bucket b forwards arrived in stage-1 buckets up to
         # b-2 (``bridge._plan.STAGE2_LAG``), and nothing waits for stage 1 to finish.
         for b in range(nb + 1):
-            nxt, sums = None, None
-            voting = b == nb or every == 1 or (b > 0 and b % every == 0)
-            if b < nb and mine.code == Code.OK:
+            nxt, sums, early_works = None, None, None
+            voting = votes_at(b)
+            if b in posted:
+                nxt, early_works = posted.pop(b)
+            elif b < nb and mine.code == Code.OK:
                 try:
                     nxt = timed("pack", prepare, b)
                 except _WrongCount as e:  # announced in the next vote as a wrong-size message
@@ -614,11 +630,21 @@ def _run(plan: BridgePlan, rank: int, group, ranks: list[int], *, role: int, ver
             if voting:
                 ballot = early if early is not None else timed("vote", cast, b, nxt, mine, sums)
                 new_expected = timed("vote", count, b, ballot)
-            works = timed("post", post, nxt, b) if nxt is not None else []
+            works = early_works if early_works is not None else timed("post", post, nxt, b) if nxt is not None else []
+            c = b + 1
+            while ahead and nxt is not None and mine.code == Code.OK and c < nb and not votes_at(c):
+                if c not in posted:
+                    try:
+                        state = timed("pack", prepare, c)
+                    except Exception:  # noqa: BLE001 (prepared again in its own turn, which reports it)
+                        break
+                    posted[c] = (state, timed("post", post, state, c))
+                c += 1
             if b < nb:
                 mine = finish(cur, b - 1, mine, expected)
             cur, expected = nxt, new_expected
     finally:
+        posted.clear()  # no works of this sync outlive it (they would keep a failed group's connections open)
         if hasher is not None:
             hasher.shutdown(wait=True, cancel_futures=True)
         if bar is not None:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from bridge._args import check_flag, check_seconds
 from bridge._dtensor import dtensor_params
 from bridge._param_map import Param, ParamMap
-from bridge._plan import BridgePlan, Message
+from bridge._plan import ALIGN, BridgePlan, Message
 from bridge._source import Source
 from bridge._wire import RECEIVER, check_plan_and_rank, new_arena, reject_sync, run_sync, torch_dtype
 
@@ -139,6 +139,16 @@ class _Forward(NamedTuple):
     pieces: list[_Unpack]
 
 
+class _Held(NamedTuple):
+    """Where one message lands in the held bytes of a sync committed by unpacking: bytes ``[base, base +
+    nbytes)``, its segments' ``(start, stop)`` within them, and every piece's copy into the params."""
+
+    base: int
+    nbytes: int
+    segments: list[tuple[int, int]]
+    unpacks: list[_Unpack]
+
+
 class Receiver:
     """Receives syncs into this rank's torch parameters.
 
@@ -147,13 +157,18 @@ class Receiver:
       params: this rank's parameters by name (tensors, Parameters or DTensors); every
         param of this rank in the plan must be present with its local shape and dtype.
       rank: this process's global torch rank (default: ``torch.distributed.get_rank()``).
-      atomic: receive into a shadow copy of the params and commit only when every rank got
-        everything; ``False`` writes in place as buckets arrive (no extra memory, but a failed
-        sync leaves a mix of old, new and, after a peer's failure between votes, meaningless
-        weights, and ``consistent`` becomes False until the next successful sync).
-      swap: how an atomic sync commits. ``False``: the shadow is copied into the parameters,
-        which keep their storage, so views and pointers an engine captured (CUDA graphs) stay
-        valid. ``True``: no copy; the same tensor, Parameter and DTensor objects are given the
+      atomic: write the params only when every rank got everything (the final ack); until then
+        the sync lands in memory of the params' size at most, kept for the next sync
+        (``release_staging`` frees it). ``False`` writes in place as buckets arrive (no extra
+        memory, but a failed sync leaves a mix of old, new and, after a peer's failure between
+        votes, meaningless weights, and ``consistent`` becomes False until the next successful sync).
+      swap: how an atomic sync commits. ``False``: the received bytes are held as they arrived
+        and unpacked into the parameters after the final ack, each byte copied once; the
+        parameters keep their storage, so views and pointers an engine captured (CUDA graphs)
+        stay valid. (A rank that forwards in stage 2 of a two-stage plan reads what it forwards
+        from a shadow copy of the params instead, which it copies into them after the final
+        ack.) ``True``: the sync unpacks into a shadow copy of the params as buckets arrive,
+        and commits with no copy: the same tensor, Parameter and DTensor objects are given the
         shadow's storage and the old storage becomes the next shadow, so views taken before
         the sync (``to_local()`` results, slices, captured pointers) keep the old weights.
       timeout: seconds a sync may take once every rank joined (one deadline for every bucket
@@ -215,12 +230,15 @@ class Receiver:
         self.version: int | None = None
         self.consistent = True
         self._shadow: dict[str, torch.Tensor] | None = None
+        self._hold: torch.Tensor | None = None
         self._arena = new_arena()
         # Parts of params that no region writes (padded rows): the shadow takes them from the
         # parameters before each sync.
         self._uncovered = {p.name: boxes for p in mine if (boxes := _uncovered(p))}
         self._steps = self._compile()
         self._forwards = self._compile_forwards()
+        # Committed by unpacking the held bytes: atomic, no swap, nothing forwarded from a copy of the params.
+        self._held = self._compile_held() if atomic and not swap and not self._forwards else None
         self.stats: dict[str, float] = {}
 
     def _compile(self) -> dict[tuple[int, int], _Steps]:
@@ -248,6 +266,17 @@ class Receiver:
         dtype = torch_dtype(self.plan.param(t.param, rank).dtype)
         return _Unpack(t.param, box, off, t.nbytes, tuple(s.stop - s.start for s in box), dtype,
                        self.plan.view_of(t, rank))
+
+    def _compile_held(self) -> dict[tuple[int, int], _Held]:
+        """Per (bucket, sender rank): where its message lands in the held bytes, and its copies into the params."""
+        out, base = {}, 0
+        for m in self.plan.messages:
+            if m.dst != self.rank:
+                continue
+            out[(m.bucket, m.src)] = _Held(base, m.nbytes, [(g.start, g.stop) for g in self.plan.segments(m)],
+                                           [self._piece(i, off, self.rank) for i, off in m.pieces])
+            base += -(-m.nbytes // ALIGN) * ALIGN
+        return out
 
     def _compile_forwards(self) -> dict[tuple[int, int], list[_Forward]]:
         """Per (bucket, receiving rank): the sends of this rank's stage-2 message, one per segment."""
@@ -281,6 +310,27 @@ class Receiver:
         for u in self._steps[(m.bucket, m.src)].unpacks:
             into[u.param].view(u.view)[u.box].copy_(buf[u.offset:u.offset + u.nbytes].view(u.dtype).view(u.shape))
 
+    def _recv_held(self, hold: torch.Tensor, m: Message) -> list[torch.Tensor]:
+        h = self._held[(m.bucket, m.src)]
+        return [hold[h.base + start:h.base + stop] for start, stop in h.segments]
+
+    def _commit_held(self, hold: torch.Tensor) -> None:
+        """Unpacks every held message into the params (after the final ack)."""
+        for h in self._held.values():
+            for u in h.unpacks:
+                at = h.base + u.offset
+                self.params[u.param].view(u.view)[u.box].copy_(hold[at:at + u.nbytes].view(u.dtype).view(u.shape))
+
+    def _held_bytes(self) -> torch.Tensor:
+        """The memory a sync committed by unpacking lands in: every message to this rank, each at its base."""
+        last = max(self._held.values(), key=lambda h: h.base, default=None)
+        total = max(last.base + last.nbytes if last is not None else 0, 1)
+        device = next(iter(self.params.values())).device
+        if self._hold is None or self._hold.numel() < total or self._hold.device != device:
+            self._hold = None
+            self._hold = torch.empty(total, dtype=torch.uint8, device=device)
+        return self._hold
+
     def _staging(self) -> dict[str, torch.Tensor]:
         """Where this sync writes: the shadow (atomic; uncovered parts taken from the params) or the params."""
         if not self.atomic:
@@ -300,19 +350,37 @@ class Receiver:
           SyncError: a peer died, stalled past ``timeout`` or failed; with ``atomic=True``
             the weights and ``version`` are unchanged. Recreate the process group, then retry.
         """
+        hold = None
         try:
-            into = self._staging()
+            if self._held is not None:
+                hold = self._held_bytes()
+            else:
+                into = self._staging()
         except Exception:  # e.g. out of memory for the shadow: every other rank learns at once
             reject_sync(self.plan, rank=self.rank, group=group, ready_timeout=self.ready_timeout)
             raise
-        shadow = into
         if not self.atomic:
             self.consistent = False
+        device = next(iter(self.params.values())).device
+        if hold is not None:  # nothing is unpacked before the final ack
+            version = run_sync(self.plan, self.rank, group, role=RECEIVER, version=-1, status=0,
+                               timeout=self.timeout, ready_timeout=self.ready_timeout, pack=_nothing_to_forward,
+                               recv=lambda m, buf: self._recv_held(hold, m), unpack=lambda m, buf: None,
+                               progress=self.progress, device=device, arena=self._arena, stats=self.stats,
+                               stage_recvs=False)
+            start = time.perf_counter()
+            with torch.no_grad():
+                self._commit_held(hold)
+            self.stats["commit"] = time.perf_counter() - start
+            self.consistent = True
+            self.version = version
+            return version
+        shadow = into
         version = run_sync(self.plan, self.rank, group, role=RECEIVER, version=-1, status=0, timeout=self.timeout,
                            ready_timeout=self.ready_timeout, pack=lambda m, buf: self._forward(into, m, buf),
                            recv=lambda m, buf: self._recv(into, m, buf),
                            unpack=lambda m, buf: self._unpack(into, m, buf), progress=self.progress,
-                           device=next(iter(self.params.values())).device, arena=self._arena, stats=self.stats)
+                           device=device, arena=self._arena, stats=self.stats)
         start = time.perf_counter()
         if self.atomic:
             with torch.no_grad():
@@ -330,9 +398,15 @@ class Receiver:
         return version
 
     def release_staging(self) -> None:
-        """Frees the shadow copy and the bucket buffers (rebuilt on the next sync)."""
+        """Frees the memory an atomic sync lands in (the held bytes or the shadow copy) and the bucket
+        buffers (rebuilt on the next sync)."""
         self._shadow = None
+        self._hold = None
         self._arena = new_arena()
+
+
+def _nothing_to_forward(m: Message, buf: torch.Tensor) -> list[torch.Tensor]:
+    raise RuntimeError(f"rank {m.src} was asked to forward message {m}, but its plan gave it nothing to forward.")
 
 
 def _uncovered(param: Param) -> list[tuple[tuple[int, ...], tuple[slice, ...]]]:

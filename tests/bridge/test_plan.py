@@ -274,6 +274,40 @@ def test_receiver_rejects_wrong_params():
         bridge.Receiver(p, params, rank=7)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_atomic_receiver_holds_each_received_element_once_and_commits_every_covered_element_once(dtype):
+    """An atomic receiver (no swap) holds the sync's bytes until the final ack, then unpacks them: the
+    held memory is at most the params' bytes (plus alignment per message), and its copies write every
+    element the param map's regions cover exactly once and the rest (padded rows) never."""
+    torch = pytest.importorskip("torch")
+    cfg = C.small_config()
+    src = _source(cfg)
+    p = bridge.BridgePlan(src, bridge.llama_param_map(cfg, src, [2, 3], fused=True, dtype=dtype),
+                          bucket_bytes=64 << 10)
+    for rank in (2, 3):
+        mine = p.param_map.for_rank(rank)
+        params = {q.name: torch.zeros(q.shape, dtype=getattr(torch, dtype)) for q in mine}
+        rec = bridge.Receiver(p, params, rank=rank)
+        held = rec._held
+        assert held is not None and bridge.Receiver(p, params, rank=rank, swap=True)._held is None
+        assert bridge.Receiver(p, params, rank=rank, atomic=False)._held is None
+        end = max(h.base + h.nbytes for h in held.values())
+        assert end <= sum(v.numel() * v.element_size() for v in params.values()) + ALIGN * len(held)
+        written = {q.name: np.zeros(q.shape, dtype=np.int64) for q in mine}
+        for h in held.values():
+            assert h.base % ALIGN == 0
+            for u in h.unpacks:
+                assert u.offset >= 0 and u.offset + u.nbytes <= h.nbytes
+                written[u.param].reshape(u.view)[u.box] += 1
+        for q in mine:
+            covered = np.zeros(q.shape, dtype=np.int64)
+            for r in q.regions:
+                covered.reshape(r.view_shape(q.shape))[tuple(
+                    slice(o, o + n) for o, n in zip(r.offset, r.shape, strict=True))] += 1
+            np.testing.assert_array_equal(written[q.name], covered, err_msg=q.name)
+            assert covered.max() == 1
+
+
 HIER_CASES = [
     # name, config overrides, tp groups, nodes (inference ranks sharing fast links)
     ("tp2x4-replicas-two-nodes", {"vocab_size": 1000}, [[2, 3], [4, 5], [6, 7], [8, 9]], [[2, 3, 4, 5], [6, 7, 8, 9]]),
