@@ -48,7 +48,8 @@ with ``--hierarchical``, where the two floors' time goes (medians over the repet
 the trainers' relayout, pack copies and raw p2p; the receivers' raw p2p, which includes waiting for
 the trainers, and unpack copies) and the CPU time each row takes per rank (``time.process_time``:
 every thread of the process; ``time.thread_time``: the thread that calls it), in all beside the wall
-time times the cores.
+time times the cores, and the share of the cores' time the hypervisor gave to other machines
+meanwhile (steal: on a virtual machine it stretches every row's time, not their CPU time).
 
 Usage: python benchmarks/bridge_bench.py [--layers 8 --hidden 1024 --reps 5 --bucket-mb 16 --plain --profile
                                           --hierarchical]
@@ -497,7 +498,9 @@ def main() -> None:
               *(["--plain"] if args.plain else []), *(["--hierarchical"] if args.hierarchical else []),
               f"--port={port}", f"--jax-port={jport}"]
     world = len(TRAINERS) + (sum(len(n) for n in NODES) if args.hierarchical else len(RECEIVERS))
+    cpu0 = _cpu_ticks()
     outputs, res = run_ranks(__file__, world, common, env, args.timeout)
+    cpu1 = _cpu_ticks()
     if args.profile:
         for o in outputs:
             i = o.find("PROFILE")
@@ -505,6 +508,7 @@ def main() -> None:
                 print(o[i:o.find("RESULT") if "RESULT" in o[i:] else None][:4000])
     stats = _tagged(outputs, "STATS")
     _header()
+    print(_steal(cpu0, cpu1))
     if args.hierarchical:
         _report_hierarchical(args, res, stats)
     else:
@@ -513,6 +517,24 @@ def main() -> None:
     if not args.hierarchical:
         _floor_breakdown(_tagged(outputs, "FLOOR"))
         _cpu(_tagged(outputs, "FLOOR"), res)
+
+
+def _cpu_ticks() -> list[int] | None:
+    """The machine's CPU time so far, per state (``/proc/stat``), or None where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+
+
+def _steal(before: list[int] | None, after: list[int] | None) -> str:
+    """How much of the cores' time the hypervisor gave to other machines meanwhile (a virtual machine's
+    'steal': the runs' times stretch by it, their CPU times do not)."""
+    if before is None or after is None or len(before) < 8:
+        return "steal time unknown"
+    d = [b - a for a, b in zip(before, after, strict=True)]
+    return f"steal time during the run: {100 * d[7] / max(sum(d[:8]), 1):.0f}% of the cores' time"
 
 
 def _tagged(outputs: list[str], tag: str) -> list[dict]:
