@@ -158,7 +158,7 @@ class Receiver:
         param of this rank in the plan must be present with its local shape and dtype.
       rank: this process's global torch rank (default: ``torch.distributed.get_rank()``).
       atomic: write the params only when every rank got everything (the final ack); until then
-        the sync lands in memory of the params' size at most, kept for the next sync
+        the sync lands in memory of about the params' size, kept for the next sync
         (``release_staging`` frees it). ``False`` writes in place as buckets arrive (no extra
         memory, but a failed sync leaves a mix of old, new and, after a peer's failure between
         votes, meaningless weights, and ``consistent`` becomes False until the next successful sync).
