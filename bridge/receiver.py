@@ -310,20 +310,21 @@ class Receiver:
         for u in self._steps[(m.bucket, m.src)].unpacks:
             into[u.param].view(u.view)[u.box].copy_(buf[u.offset:u.offset + u.nbytes].view(u.dtype).view(u.shape))
 
-    def _recv_held(self, hold: torch.Tensor, m: Message) -> list[torch.Tensor]:
-        h = self._held[(m.bucket, m.src)]
+    @staticmethod
+    def _recv_held(held: dict[tuple[int, int], _Held], hold: torch.Tensor, m: Message) -> list[torch.Tensor]:
+        h = held[(m.bucket, m.src)]
         return [hold[h.base + start:h.base + stop] for start, stop in h.segments]
 
-    def _commit_held(self, hold: torch.Tensor) -> None:
+    def _commit_held(self, held: dict[tuple[int, int], _Held], hold: torch.Tensor) -> None:
         """Unpacks every held message into the params (after the final ack)."""
-        for h in self._held.values():
+        for h in held.values():
             for u in h.unpacks:
                 at = h.base + u.offset
                 self.params[u.param].view(u.view)[u.box].copy_(hold[at:at + u.nbytes].view(u.dtype).view(u.shape))
 
-    def _held_bytes(self) -> torch.Tensor:
+    def _held_bytes(self, held: dict[tuple[int, int], _Held]) -> torch.Tensor:
         """The memory a sync committed by unpacking lands in: every message to this rank, each at its base."""
-        last = max(self._held.values(), key=lambda h: h.base, default=None)
+        last = max(held.values(), key=lambda h: h.base, default=None)
         total = max(last.base + last.nbytes if last is not None else 0, 1)
         device = next(iter(self.params.values())).device
         if self._hold is None or self._hold.numel() < total or self._hold.device != device:
@@ -350,10 +351,10 @@ class Receiver:
           SyncError: a peer died, stalled past ``timeout`` or failed; with ``atomic=True``
             the weights and ``version`` are unchanged. Recreate the process group, then retry.
         """
-        hold = None
+        hold, held = None, self._held
         try:
-            if self._held is not None:
-                hold = self._held_bytes()
+            if held is not None:
+                hold = self._held_bytes(held)
             else:
                 into = self._staging()
         except Exception:  # e.g. out of memory for the shadow: every other rank learns at once
@@ -362,15 +363,15 @@ class Receiver:
         if not self.atomic:
             self.consistent = False
         device = next(iter(self.params.values())).device
-        if hold is not None:  # nothing is unpacked before the final ack
+        if held is not None and hold is not None:  # nothing is unpacked before the final ack
             version = run_sync(self.plan, self.rank, group, role=RECEIVER, version=-1, status=0,
                                timeout=self.timeout, ready_timeout=self.ready_timeout, pack=_nothing_to_forward,
-                               recv=lambda m, buf: self._recv_held(hold, m), unpack=lambda m, buf: None,
+                               recv=lambda m, buf: self._recv_held(held, hold, m), unpack=lambda m, buf: None,
                                progress=self.progress, device=device, arena=self._arena, stats=self.stats,
                                stage_recvs=False)
             start = time.perf_counter()
             with torch.no_grad():
-                self._commit_held(hold)
+                self._commit_held(held, hold)
             self.stats["commit"] = time.perf_counter() - start
             self.consistent = True
             self.version = version
