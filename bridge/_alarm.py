@@ -18,6 +18,10 @@ group's timeout, and keep this rank's connections open, so the ranks waiting for
 not fail either. A rank that gives up and rebuilds its group closes its connections, which
 fails its peers' collectives.
 
+The sync's waits live here too (``bridge._wire`` calls them): ``alarm_for`` gives a sync its
+alarm, ``wait_for`` waits for a collective, ``await_job`` for point-to-point works in the helper
+thread, and ``give_up`` raises the alarm on a transport failure.
+
 A group built outside torch.distributed's registry gets its store through ``register_store``
 (``bridge.vllm._group.open_group`` does); a group whose store is known neither way gets no alarm:
 its waits behave as before (a survivor may wait for the deadline).
@@ -39,16 +43,22 @@ Example (a one-rank group on a local store):
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import queue
 import threading
-from collections.abc import Callable
-from concurrent.futures import Future
-from typing import Any
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, TimeoutError as FutureTimeout
+from contextvars import ContextVar
+from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
-__all__ = ["Alarm", "Waiter", "SLICE", "store_of", "register_store", "forget_store"]
+from bridge._errors import SyncError
+
+__all__ = ["Alarm", "Waiter", "SLICE", "store_of", "register_store", "forget_store", "alarm_for", "await_job",
+           "give_up", "wait_for", "wait_once"]
 
 log = logging.getLogger("bridge")
 
@@ -150,3 +160,109 @@ class Waiter:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self._jobs.put(None)
+
+
+def wait_for(work, deadline: float, what: str, rank: int) -> None:
+    """Waits for the collective ``work`` until ``deadline`` (``time.monotonic()`` seconds), the sync's one
+    deadline; a failure raises the sync's alarm.
+
+    A collective is not abandoned on an alarm: left running in gloo's worker thread, it would hold up
+    ``destroy_process_group`` (so ``rebuild_group``) until the group's own timeout, and this rank's
+    connections would stay open, so the ranks that wait for it would not fail either.
+    """
+    try:
+        wait_once(work, deadline, what, rank)
+    except SyncError as e:
+        raise give_up(e) from e.__cause__
+
+
+def wait_once(work, deadline: float, what: str, rank: int) -> None:
+    """Waits for ``work`` until ``deadline``; a failure raises SyncError (the alarm is the caller's to raise)."""
+    left = max(deadline - time.monotonic(), 0.001)
+    try:
+        work.wait(datetime.timedelta(seconds=left))
+    except Exception as e:  # gloo reports a dead peer, a closed pair or a timeout as RuntimeError
+        raise _failure(e, deadline, left, what, rank) from e
+
+
+def _failure(e: Exception, deadline: float, left: float, what: str, rank: int) -> SyncError:
+    # Time still left means the transport failed first: the group's own (shorter) timeout, or a peer
+    # that died or closed its connections.
+    why = ("timeout" if time.monotonic() >= deadline - 0.01 else "the process group's timeout, shorter than "
+           "this wait" if "timed out" in str(e).lower() else "a peer's connection closed: it died or gave up")
+    return SyncError(f"rank {rank}: {what} failed before the sync's deadline ({left:.3g} s were left; "
+                     f"{why}): {e}. The process group is no longer usable: "
+                     "call bridge.rebuild_group(...) on every rank, then retry.")
+
+
+def await_job(job: Callable[[], None], what: str, rank: int) -> None:
+    """Runs ``job`` (point-to-point waits, which bound themselves by the deadline). With an alarm, in the
+    alarm's helper thread, checking the alarm every slice: a gloo point-to-point wait that times out
+    closes its pair, so it cannot be cut into slices."""
+    alarm = _CURRENT.get()
+    if alarm is None:
+        return job()
+    fut = alarm.waiter.submit(job)
+    try:
+        while True:
+            try:
+                return fut.result(timeout=SLICE)
+            except FutureTimeout:
+                _check_alarm(alarm, what, rank, fut.done)
+            except SyncError as e:
+                raise give_up(e) from e.__cause__
+    finally:
+        del fut  # the error's traceback holds this frame: no cycle that keeps the works (and the group) alive
+
+
+def _check_alarm(alarm: _Current, what: str, rank: int, done: Callable[[], bool]) -> None:
+    """Raises if another rank raised the alarm, unless what this rank waits for completed meanwhile (the
+    others may have finished the sync, and the store's host exited)."""
+    heard = alarm.alarm.heard()
+    if heard is not None and not done():
+        raise SyncError(f"rank {rank}: stopped waiting for {what}: another rank gave up and raised the sync's "
+                        f"alarm ({heard}). The process group is no longer usable: call bridge.rebuild_group(...) "
+                        "on every rank, then retry.")
+
+
+def give_up(e: SyncError) -> SyncError:
+    """Raises the current sync's alarm (a transport failure: this rank stops taking part); returns ``e``."""
+    alarm = _CURRENT.get()
+    if alarm is not None:
+        alarm.alarm.ring(str(e))
+    return e
+
+
+class _Current(NamedTuple):
+    """The alarm of the sync this thread runs, and the thread that waits for its point-to-point works."""
+
+    alarm: Alarm
+    waiter: Waiter
+
+
+_CURRENT: ContextVar[_Current | None] = ContextVar("bridge_alarm", default=None)
+
+
+@contextlib.contextmanager
+def alarm_for(group, rank: int, ranks: list[int]) -> Iterator[None]:
+    """Gives the sync run inside an alarm (none where the group's store is unknown); a failure that escapes
+    other than a SyncError (which rang it where it arose, if it ends this rank's part) raises it."""
+    store = store_of(group)
+    current = None
+    if store is not None:
+        try:
+            current = _Current(Alarm(store, rank, len(ranks)), Waiter())
+        except Exception as e:  # noqa: BLE001 (the sync then runs without one)
+            log.warning("rank %d: the sync runs without an alarm (the group's store failed: %s)", rank, e)
+    token = _CURRENT.set(current)
+    try:
+        yield
+    except SyncError:
+        raise
+    except BaseException as e:
+        give_up(SyncError(f"rank {rank}: {type(e).__name__}: {e}"))
+        raise
+    finally:
+        _CURRENT.reset(token)
+        if current is not None:
+            current.waiter.close()

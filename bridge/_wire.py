@@ -58,15 +58,13 @@ peer the group is unusable (gloo closes the pairs of a failed operation):
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
-from contextvars import ContextVar
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -74,8 +72,9 @@ import torch
 import torch.distributed as dist
 
 from bridge import _vote
-from bridge._alarm import SLICE, Alarm, Waiter, store_of
+from bridge._alarm import alarm_for, await_job, give_up, wait_for, wait_once
 from bridge._args import check_int, check_seconds
+from bridge._errors import PlanMismatchError, SyncError
 from bridge._plan import WIRE_DTYPES, BridgePlan, Message
 from bridge._plan_key import decode, describe_difference, encode, plan_key
 from bridge._vote import Code, Status
@@ -116,14 +115,6 @@ class _Ballot(NamedTuple):
 
     work: Any
     table: list[torch.Tensor]
-
-
-class SyncError(RuntimeError):
-    """A sync failed (a peer died, stalled or rejected it); the receivers' weights are unchanged."""
-
-
-class PlanMismatchError(SyncError):
-    """The ranks computed different plans or model metadata; nothing was sent."""
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -212,117 +203,12 @@ def _header(role: int, status: int, version: int, digests: bool, fingerprint: by
     return torch.tensor([MAGIC, role, status, version, int(digests), *fp.tolist()], dtype=torch.int64)
 
 
-def _wait(work, deadline: float, what: str, rank: int) -> None:
-    """Waits for the collective ``work`` until ``deadline`` (``time.monotonic()`` seconds), the sync's one
-    deadline; a failure raises the sync's alarm (``bridge._alarm``).
-
-    A collective is not abandoned on an alarm: left running in gloo's worker thread, it would hold up
-    ``destroy_process_group`` (so ``rebuild_group``) until the group's own timeout, and this rank's
-    connections would stay open, so the ranks that wait for it would not fail either.
-    """
-    try:
-        _wait_once(work, deadline, what, rank)
-    except SyncError as e:
-        raise _give_up(e) from e.__cause__
-
-
-def _wait_once(work, deadline: float, what: str, rank: int) -> None:
-    left = max(deadline - time.monotonic(), 0.001)
-    try:
-        work.wait(datetime.timedelta(seconds=left))
-    except Exception as e:  # gloo reports a dead peer, a closed pair or a timeout as RuntimeError
-        raise _failure(e, deadline, left, what, rank) from e
-
-
-def _failure(e: Exception, deadline: float, left: float, what: str, rank: int) -> SyncError:
-    # Time still left means the transport failed first: the group's own (shorter) timeout, or a peer
-    # that died or closed its connections.
-    why = ("timeout" if time.monotonic() >= deadline - 0.01 else "the process group's timeout, shorter than "
-           "this wait" if "timed out" in str(e).lower() else "a peer's connection closed: it died or gave up")
-    return SyncError(f"rank {rank}: {what} failed before the sync's deadline ({left:.3g} s were left; "
-                     f"{why}): {e}. The process group is no longer usable: "
-                     "call bridge.rebuild_group(...) on every rank, then retry.")
-
-
-def _await(job: Callable[[], None], what: str, rank: int) -> None:
-    """Runs ``job`` (point-to-point waits, which bound themselves by the deadline). With an alarm, in the
-    alarm's helper thread, checking the alarm every slice: a gloo point-to-point wait that times out
-    closes its pair, so it cannot be cut into slices."""
-    alarm = _CURRENT.get()
-    if alarm is None:
-        return job()
-    fut = alarm.waiter.submit(job)
-    try:
-        while True:
-            try:
-                return fut.result(timeout=SLICE)
-            except FutureTimeout:
-                _check_alarm(alarm, what, rank, fut.done)
-            except SyncError as e:
-                raise _give_up(e) from e.__cause__
-    finally:
-        del fut  # the error's traceback holds this frame: no cycle that keeps the works (and the group) alive
-
-
-def _check_alarm(alarm: _Current, what: str, rank: int, done: Callable[[], bool]) -> None:
-    """Raises if another rank raised the alarm, unless what this rank waits for completed meanwhile (the
-    others may have finished the sync, and the store's host exited)."""
-    heard = alarm.alarm.heard()
-    if heard is not None and not done():
-        raise SyncError(f"rank {rank}: stopped waiting for {what}: another rank gave up and raised the sync's "
-                        f"alarm ({heard}). The process group is no longer usable: call bridge.rebuild_group(...) "
-                        "on every rank, then retry.")
-
-
-def _give_up(e: SyncError) -> SyncError:
-    """Raises the current sync's alarm (a transport failure: this rank stops taking part); returns ``e``."""
-    alarm = _CURRENT.get()
-    if alarm is not None:
-        alarm.alarm.ring(str(e))
-    return e
-
-
-class _Current(NamedTuple):
-    """The alarm of the sync this thread runs, and the thread that waits for its point-to-point works."""
-
-    alarm: Alarm
-    waiter: Waiter
-
-
-_CURRENT: ContextVar[_Current | None] = ContextVar("bridge_alarm", default=None)
-
-
-@contextlib.contextmanager
-def _alarm_for(group, rank: int, ranks: list[int]) -> Iterator[None]:
-    """Gives the sync run inside an alarm (none where the group's store is unknown); a failure that escapes
-    other than a SyncError (which rang it where it arose, if it ends this rank's part) raises it."""
-    store = store_of(group)
-    current = None
-    if store is not None:
-        try:
-            current = _Current(Alarm(store, rank, len(ranks)), Waiter())
-        except Exception as e:  # noqa: BLE001 (the sync then runs without one)
-            log.warning("rank %d: the sync runs without an alarm (the group's store failed: %s)", rank, e)
-    token = _CURRENT.set(current)
-    try:
-        yield
-    except SyncError:
-        raise
-    except BaseException as e:
-        _give_up(SyncError(f"rank {rank}: {type(e).__name__}: {e}"))
-        raise
-    finally:
-        _CURRENT.reset(token)
-        if current is not None:
-            current.waiter.close()
-
-
 def _handshake(plan: BridgePlan, rank: int, ranks: list[int], group, role: int, status: int, version: int,
                digests: bool, deadline: float) -> tuple[int, bool]:
     """Returns the agreed version and whether any rank asked for digests (then every rank announces them)."""
     mine = _header(role, status, version, digests, plan.fingerprint)
     out = [torch.empty_like(mine) for _ in ranks]
-    _wait(dist.all_gather(out, mine, group=group, async_op=True), deadline, "the handshake", rank)
+    wait_for(dist.all_gather(out, mine, group=group, async_op=True), deadline, "the handshake", rank)
     rows = {r: t.tolist() for r, t in zip(ranks, out, strict=True)}
     bad = [r for r, h in rows.items() if h[0] != MAGIC]
     if bad:
@@ -366,13 +252,13 @@ def _exchange_keys(plan: BridgePlan, rank: int, ranks: list[int], group, deadlin
     """Every rank's ``plan_key``; every rank calls it, since all see the same mismatch in the handshake."""
     mine = torch.frombuffer(bytearray(encode(plan_key(plan))), dtype=torch.uint8)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in ranks]
-    _wait(dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64), group=group, async_op=True),
+    wait_for(dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64), group=group, async_op=True),
           deadline, "the plan comparison", rank)
     longest = max(int(n.item()) for n in sizes)
     padded = torch.zeros(longest, dtype=torch.uint8)
     padded[:mine.numel()] = mine
     out = [torch.empty(longest, dtype=torch.uint8) for _ in ranks]
-    _wait(dist.all_gather(out, padded, group=group, async_op=True), deadline, "the plan comparison", rank)
+    wait_for(dist.all_gather(out, padded, group=group, async_op=True), deadline, "the plan comparison", rank)
     return {r: decode(t[:int(n.item())].numpy().tobytes()) for r, t, n in zip(ranks, out, sizes, strict=True)}
 
 
@@ -423,7 +309,7 @@ def run_sync(plan: BridgePlan, rank: int, group, *, role: int, version: int, sta
             f"the process group has ranks {ranks} but the plan involves ranks {sorted(needed)}; pass a "
             "group of exactly the trainer and inference ranks (torch.distributed.new_group)."
         )
-    with _alarm_for(group, rank, ranks):
+    with alarm_for(group, rank, ranks):
         return _run(plan, rank, group, ranks, role=role, version=version, status=status, timeout=timeout,
                     ready_timeout=ready_timeout, pack=pack, recv=recv, unpack=unpack, progress=progress,
                     device=device, arena=arena, checksum=checksum, stats=stats, stage_recvs=stage_recvs)
@@ -501,7 +387,7 @@ def _run(plan: BridgePlan, rank: int, group, ranks: list[int], *, role: int, ver
         try:
             return dist.batch_isend_irecv(ops) if ops else []
         except RuntimeError as e:  # gloo fails at once when a peer's connection is already closed
-            raise _give_up(SyncError(f"rank {rank}: posting bucket {b + 1}/{plan.num_buckets} failed: {e}")) from e
+            raise give_up(SyncError(f"rank {rank}: posting bucket {b + 1}/{plan.num_buckets} failed: {e}")) from e
 
     def cast(b: int, state: _Bucket | None, mine: Status, sums: Future | None) -> _Ballot:
         """Posts this rank's row of the vote on bucket ``b`` (``nb``: the final ack); ``count`` waits for it."""
@@ -516,10 +402,10 @@ def _run(plan: BridgePlan, rank: int, group, ranks: list[int], *, role: int, ver
         announced."""
         table = ballot.table
         what = f"the vote on bucket {b + 1}/{nb}" if b < nb else "the final ack"
-        _wait(ballot.work, deadline, what, rank)
+        wait_for(ballot.work, deadline, what, rank)
         if b == nb and time.monotonic() > deadline - min(0.5, 0.05 * timeout):
             # The others give up at the deadline: committing now could leave receivers on different versions.
-            raise _give_up(SyncError(
+            raise give_up(SyncError(
                 f"rank {rank}: the final ack completed at the sync's deadline, when other ranks may already "
                 "have given up; nothing was committed. The process group is no longer usable: call "
                 "bridge.rebuild_group(...) on every rank, then retry."))
@@ -583,10 +469,10 @@ def _run(plan: BridgePlan, rank: int, group, ranks: list[int], *, role: int, ver
 
         def job() -> None:
             for w, op in pairs:
-                _wait_once(w, deadline, f"bucket {b}/{nb} with peer rank {op.peer}", rank)
+                wait_once(w, deadline, f"bucket {b}/{nb} with peer rank {op.peer}", rank)
 
         if pairs:
-            _await(job, f"bucket {b}/{nb}", rank)
+            await_job(job, f"bucket {b}/{nb}", rank)
 
     def finish(state: _Bucket | None, b: int, mine: Status, expected: dict) -> Status:
         """Checks the digests of bucket ``b`` (``state``, arrived), then unpacks it."""
