@@ -16,6 +16,7 @@ import logging
 import math
 import time
 from collections.abc import Mapping
+from functools import partial
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -311,7 +312,8 @@ class Receiver:
             into[u.param].view(u.view)[u.box].copy_(buf[u.offset:u.offset + u.nbytes].view(u.dtype).view(u.shape))
 
     @staticmethod
-    def _recv_held(held: dict[tuple[int, int], _Held], hold: torch.Tensor, m: Message) -> list[torch.Tensor]:
+    def _recv_held(held: dict[tuple[int, int], _Held], hold: torch.Tensor, m: Message,
+                   buf: torch.Tensor) -> list[torch.Tensor]:
         h = held[(m.bucket, m.src)]
         return [hold[h.base + start:h.base + stop] for start, stop in h.segments]
 
@@ -322,11 +324,10 @@ class Receiver:
                 at = h.base + u.offset
                 self.params[u.param].view(u.view)[u.box].copy_(hold[at:at + u.nbytes].view(u.dtype).view(u.shape))
 
-    def _held_bytes(self, held: dict[tuple[int, int], _Held]) -> torch.Tensor:
+    def _held_bytes(self, held: dict[tuple[int, int], _Held], device: torch.device) -> torch.Tensor:
         """The memory a sync committed by unpacking lands in: every message to this rank, each at its base."""
         last = max(held.values(), key=lambda h: h.base, default=None)
         total = max(last.base + last.nbytes if last is not None else 0, 1)
-        device = next(iter(self.params.values())).device
         if self._hold is None or self._hold.numel() < total or self._hold.device != device:
             self._hold = None
             self._hold = torch.empty(total, dtype=torch.uint8, device=device)
@@ -351,52 +352,45 @@ class Receiver:
           SyncError: a peer died, stalled past ``timeout`` or failed; with ``atomic=True``
             the weights and ``version`` are unchanged. Recreate the process group, then retry.
         """
-        hold, held = None, self._held
+        held, device = self._held, next(iter(self.params.values())).device
         try:
-            if held is not None:
-                hold = self._held_bytes(held)
+            if held is not None:  # received into the held bytes, unpacked into the params after the final ack
+                hold = self._held_bytes(held, device)
+                pack, recv, unpack = _nothing_to_forward, partial(self._recv_held, held, hold), _nothing_to_unpack
+                commit = partial(self._commit_held, held, hold)
             else:
                 into = self._staging()
+                pack, recv = partial(self._forward, into), partial(self._recv, into)
+                unpack, commit = partial(self._unpack, into), partial(self._commit_shadow, into)
         except Exception:  # e.g. out of memory for the shadow: every other rank learns at once
             reject_sync(self.plan, rank=self.rank, group=group, ready_timeout=self.ready_timeout)
             raise
         if not self.atomic:
             self.consistent = False
-        device = next(iter(self.params.values())).device
-        if held is not None and hold is not None:  # nothing is unpacked before the final ack
-            version = run_sync(self.plan, self.rank, group, role=RECEIVER, version=-1, status=0,
-                               timeout=self.timeout, ready_timeout=self.ready_timeout, pack=_nothing_to_forward,
-                               recv=lambda m, buf: self._recv_held(held, hold, m), unpack=lambda m, buf: None,
-                               progress=self.progress, device=device, arena=self._arena, stats=self.stats,
-                               stage_recvs=False)
-            start = time.perf_counter()
-            with torch.no_grad():
-                self._commit_held(held, hold)
-            self.stats["commit"] = time.perf_counter() - start
-            self.consistent = True
-            self.version = version
-            return version
-        shadow = into
         version = run_sync(self.plan, self.rank, group, role=RECEIVER, version=-1, status=0, timeout=self.timeout,
-                           ready_timeout=self.ready_timeout, pack=lambda m, buf: self._forward(into, m, buf),
-                           recv=lambda m, buf: self._recv(into, m, buf),
-                           unpack=lambda m, buf: self._unpack(into, m, buf), progress=self.progress,
-                           device=device, arena=self._arena, stats=self.stats)
+                           ready_timeout=self.ready_timeout, pack=pack, recv=recv, unpack=unpack,
+                           progress=self.progress, device=device, arena=self._arena, stats=self.stats,
+                           stage_recvs=held is None)
         start = time.perf_counter()
-        if self.atomic:
-            with torch.no_grad():
-                for name, dst in list(self.params.items()):
-                    if self.swap:
-                        # The same tensor objects now hold the staging storage; the old storage
-                        # becomes the next sync's staging (no copy).
-                        self._owners[name].data = shadow[name]
-                        self.params[name], shadow[name] = shadow[name], dst
-                    else:
-                        dst.copy_(shadow[name])
+        with torch.no_grad():
+            commit()
         self.stats["commit"] = time.perf_counter() - start
         self.consistent = True
         self.version = version
         return version
+
+    def _commit_shadow(self, shadow: dict[str, torch.Tensor]) -> None:
+        """Commits a sync received into ``shadow`` (nothing to do when it was the params themselves)."""
+        if not self.atomic:
+            return
+        for name, dst in list(self.params.items()):
+            if self.swap:
+                # The same tensor objects now hold the staging storage; the old storage
+                # becomes the next sync's staging (no copy).
+                self._owners[name].data = shadow[name]
+                self.params[name], shadow[name] = shadow[name], dst
+            else:
+                dst.copy_(shadow[name])
 
     def release_staging(self) -> None:
         """Frees the memory an atomic sync lands in (the held bytes or the shadow copy) and the bucket
@@ -408,6 +402,10 @@ class Receiver:
 
 def _nothing_to_forward(m: Message, buf: torch.Tensor) -> list[torch.Tensor]:
     raise RuntimeError(f"rank {m.src} was asked to forward message {m}, but its plan gave it nothing to forward.")
+
+
+def _nothing_to_unpack(m: Message, buf: torch.Tensor) -> None:
+    """A held message is unpacked after the final ack, not as it arrives."""
 
 
 def _uncovered(param: Param) -> list[tuple[tuple[int, ...], tuple[slice, ...]]]:
