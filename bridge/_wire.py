@@ -450,6 +450,7 @@ def _run(plan: BridgePlan, rank: int, group, ranks: list[int], *, role: int, ver
     # senders never wait for it between buckets (a vote still comes before the payloads it covers).
     ahead = not stage_recvs and all(m.src != rank for m in plan.messages)
     posted: dict[int, tuple[_Bucket, list]] = {}  # buckets posted ahead, with their works
+    reach = 0  # the first bucket not posted ahead
     bar = _progress(progress, sum(m.nbytes for m in plan.messages if rank in (m.src, m.dst)), rank)
     mine: Status = Status()
     cur: _Bucket | None = None
@@ -490,10 +491,10 @@ def _run(plan: BridgePlan, rank: int, group, ranks: list[int], *, role: int, ver
         # are unpacked: what a stage-2 message of bucket b forwards arrived in stage-1 buckets up to
         # b-2 (``bridge._plan.STAGE2_LAG``), and nothing waits for stage 1 to finish.
         for b in range(nb + 1):
-            nxt, sums, early_works = None, None, None
+            nxt, sums, nxt_works = None, None, None
             voting = votes_at(b)
             if b in posted:
-                nxt, early_works = posted.pop(b)
+                nxt, nxt_works = posted.pop(b)
             elif b < nb and mine.code == Code.OK:
                 try:
                     nxt = timed("pack", prepare, b)
@@ -516,16 +517,17 @@ def _run(plan: BridgePlan, rank: int, group, ranks: list[int], *, role: int, ver
             if voting:
                 ballot = early if early is not None else timed("vote", cast, b, nxt, mine, sums)
                 new_expected = timed("vote", count, b, ballot)
-            works = early_works if early_works is not None else timed("post", post, nxt, b) if nxt is not None else []
-            c = b + 1
-            while ahead and nxt is not None and mine.code == Code.OK and c < nb and not votes_at(c):
-                if c not in posted:
-                    try:
-                        state = timed("pack", prepare, c)
-                    except Exception:  # noqa: BLE001 (prepared again in its own turn, which reports it)
-                        break
-                    posted[c] = (state, timed("post", post, state, c))
-                c += 1
+            if nxt_works is None:
+                nxt_works = timed("post", post, nxt, b) if nxt is not None else []
+            works = nxt_works
+            reach = max(reach, b + 1)
+            while ahead and nxt is not None and mine.code == Code.OK and reach < nb and not votes_at(reach):
+                try:
+                    state = timed("pack", prepare, reach)
+                except Exception:  # noqa: BLE001 (prepared again in its own turn, which reports it)
+                    break
+                posted[reach] = (state, timed("post", post, state, reach))
+                reach += 1
             if b < nb:
                 mine = finish(cur, b - 1, mine, expected)
             cur, expected = nxt, new_expected
