@@ -498,9 +498,11 @@ def main() -> None:
               *(["--plain"] if args.plain else []), *(["--hierarchical"] if args.hierarchical else []),
               f"--port={port}", f"--jax-port={jport}"]
     world = len(TRAINERS) + (sum(len(n) for n in NODES) if args.hierarchical else len(RECEIVERS))
-    cpu0 = _cpu_ticks()
+    import psutil
+
+    cpu0 = psutil.cpu_times()
     outputs, res = run_ranks(__file__, world, common, env, args.timeout)
-    cpu1 = _cpu_ticks()
+    cpu1 = psutil.cpu_times()
     if args.profile:
         for o in outputs:
             i = o.find("PROFILE")
@@ -519,22 +521,14 @@ def main() -> None:
         _cpu(_tagged(outputs, "FLOOR"), res)
 
 
-def _cpu_ticks() -> list[int] | None:
-    """The machine's CPU time so far, per state (``/proc/stat``), or None where there is none."""
-    try:
-        with open("/proc/stat") as f:
-            return [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-
-
-def _steal(before: list[int] | None, after: list[int] | None) -> str:
-    """How much of the cores' time the hypervisor gave to other machines meanwhile (a virtual machine's
-    'steal': the runs' times stretch by it, their CPU times do not)."""
-    if before is None or after is None or len(before) < 8:
-        return "steal time unknown"
-    d = [b - a for a, b in zip(before, after, strict=True)]
-    return f"steal time during the run: {100 * d[7] / max(sum(d[:8]), 1):.0f}% of the cores' time"
+def _steal(before, after) -> str:
+    """How much of the cores' time the hypervisor gave to other machines between two ``psutil.cpu_times()``
+    (a virtual machine's 'steal': the runs' times stretch by it, their CPU times do not)."""
+    if not hasattr(before, "steal"):
+        return "steal time unknown (not reported on this system)"
+    d = {f: getattr(after, f) - getattr(before, f) for f in before._fields}
+    total = sum(d.values()) - d.get("guest", 0) - d.get("guest_nice", 0)  # guest time is counted in user too
+    return f"steal time during the run: {100 * d['steal'] / max(total, 1e-9):.0f}% of the cores' time"
 
 
 def _tagged(outputs: list[str], tag: str) -> list[dict]:
