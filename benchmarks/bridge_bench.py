@@ -16,7 +16,8 @@ over gloo. The weights are float32 in JAX and bfloat16 on the inference ranks.
              (a jitted all-gather to a replicated sharding), cast to bfloat16, broadcast it to
              every inference rank, each rank slicing its TP part
   raw p2p    gloo batch_isend_irecv of preallocated contiguous buffers with exactly the
-             bridge's bytes per (sender, receiver) pair: the transport's ceiling
+             bridge's bytes per (sender, receiver) pair: the transport's ceiling (the buffers
+             are written once before, so a send reads real pages, not the kernel's zero page)
   raw, buckets the same bytes in the bridge's buckets: one batch per bucket, one bucket at
              a time (what bounding the staging memory costs the transport)
   floor      the work the layout forces on any sync into these targets, without the bridge:
@@ -33,6 +34,10 @@ over gloo. The weights are float32 in JAX and bfloat16 on the inference ranks.
              bridge reads them: transposed by XLA in the param dtype, or as they are, the copy
              casting; the params), views built beforehand; in sequence, no protocol, no
              staging. Each rank prints the bytes it copies beside those of the floor's copy
+  floor with an atomic commit
+             the floor where each receiver copies every byte it received once (one contiguous
+             copy of as many bytes), not only those not contiguous in its params: the least an
+             atomic commit by copy (the default Receiver's) adds to the floor, whoever does it
 
 With ``--hierarchical`` it runs instead 2 trainer processes and 2 "nodes" of 2 inference ranks
 (ranks 2, 3 and 4, 5; TP1, four replicas, two per node) and times the bridge with
@@ -205,7 +210,9 @@ def worker(args) -> None:
     bcast = dist.new_group([0, *RECEIVERS])
     pairs = sorted({(t.src_rank, t.dst) for t in plan.moves})
     pair_bytes = {p: sum(t.nbytes for t in plan.moves if (t.src_rank, t.dst) == p) for p in pairs}
-    raw = {p: torch.empty(n, dtype=torch.uint8) for p, n in pair_bytes.items() if rank in p}
+    # Written once here: a buffer never written would be sent from the kernel's shared zero page (one
+    # page, always in cache), a read no real send gets.
+    raw = {p: torch.ones(n, dtype=torch.uint8) for p, n in pair_bytes.items() if rank in p}
     # The copies the layout forces, as contiguous copies of as many bytes: the sender packs the
     # pieces not contiguous in its (cast, transposed) shards, the receiver unpacks those not
     # contiguous in its params (BridgePlan.segments tells which).
@@ -213,10 +220,15 @@ def worker(args) -> None:
     pack_bytes = sum(seg.stop - seg.start for m, seg in segs if m.src == rank and not seg.src_direct)
     unpack_bytes = sum(seg.stop - seg.start for m, seg in segs if m.dst == rank and not seg.dst_direct)
     forced = [torch.ones(n, dtype=torch.uint8) for n in (pack_bytes or unpack_bytes,) * 2]
+    # An atomic commit by copy (the default Receiver) lands every received byte in memory of its own and
+    # copies it into the params after the final ack, so it copies all of them, not only the unpacked ones.
+    received = sum(m.nbytes for m in plan.messages if m.dst == rank)
+    held = [torch.ones(received, dtype=torch.uint8) for _ in range(2)] if received else forced
     # The same copies as the bridge addresses them (strided, from and to tensors of the real shapes).
     real = _layout_copies(plan, rank)
-    copies = {"floor": lambda: forced[1].copy_(forced[0]), "copies": lambda: _copy_all(real)}
-    phases: dict[str, dict[str, list[float]]] = {"floor": {}, "copies": {}}  # per reference, seconds per phase
+    copies = {"floor": lambda: forced[1].copy_(forced[0]), "copies": lambda: _copy_all(real),
+              "afloor": lambda: held[1].copy_(held[0])}
+    phases: dict[str, dict[str, list[float]]] = {"floor": {}, "copies": {}, "afloor": {}}  # seconds per phase
 
     def phase(ref: str, name: str, fn) -> None:
         t0 = time.perf_counter()
@@ -317,7 +329,8 @@ def worker(args) -> None:
             phase(ref, "p2p", raw_p2p)
             phase(ref, "unpack", copies[ref])
 
-    runs.update(gather=gather, raw=raw_p2p, floor=floor, copies=lambda: floor("copies"), rawb=raw_bucketed)
+    runs.update(gather=gather, raw=raw_p2p, floor=floor, copies=lambda: floor("copies"), rawb=raw_bucketed,
+                afloor=lambda: floor("afloor"))
     call: dict[str, float] = {}  # per row, this rank's seconds in its last call
     cpu: dict[str, list[float]] = {k: [] for k in runs}  # per row, this process's CPU seconds (all its threads)
     main_cpu: dict[str, list[float]] = {k: [] for k in runs}  # per row, the CPU seconds of the calling thread
@@ -600,7 +613,8 @@ def _report(args, res) -> None:
                      ("inplace", "bridge, atomic=False"), ("checksum", "bridge, checksum=True"),
                      ("gather", "gather-then-broadcast"),
                      ("raw", "raw p2p, same bytes"), ("floor", "floor: layout work + raw"),
-                     ("copies", "floor with the layout's copies"), ("rawb", "raw p2p in the bridge's buckets")):
+                     ("copies", "floor with the layout's copies"), ("afloor", "floor with an atomic commit"),
+                     ("rawb", "raw p2p in the bridge's buckets")):
         ts = res["times"][k]
         print(f"  {label:<32} {med[k] * 1e3:9.1f} ms   {nbytes / med[k] / 1e9:6.2f} GB/s of bridge bytes   "
               f"(min {min(ts) * 1e3:.1f}, max {max(ts) * 1e3:.1f})")
@@ -615,6 +629,10 @@ def _report(args, res) -> None:
           f"ones): {med['copies'] / med['floor']:.2f}x the floor; bridge time / its time = "
           f"{med['bridge'] / med['copies']:.2f} (swap=True {med['swap'] / med['copies']:.2f}, "
           f"atomic=False {med['inplace'] / med['copies']:.2f})")
+    print(f"floor with an atomic commit (each receiver copies every byte it received once, as the default "
+          f"Receiver's commit must; the floor copies only those not contiguous in the params): "
+          f"{med['afloor'] / med['floor']:.2f}x the floor; bridge (defaults) time / its time = "
+          f"{med['bridge'] / med['afloor']:.2f}")
 
 
 def _floor_breakdown(rows: list[dict]) -> None:
@@ -623,7 +641,7 @@ def _floor_breakdown(rows: list[dict]) -> None:
           "pack / unpack: the copies the layout forces; p2p: the raw point-to-point, on the receivers incl. "
           "waiting for the trainers):")
     for row in sorted(rows, key=lambda r: r["rank"]):
-        for ref, label in (("floor", "floor"), ("copies", "copies")):
+        for ref, label in (("floor", "floor"), ("copies", "copies"), ("afloor", "atomic")):
             cells = "  ".join(f"{k} {statistics.median(v) * 1e3:7.1f}" for k, v in row["phases"][ref].items())
             print(f"  rank {row['rank']} {label:<7} {cells}")
         print(f"  rank {row['rank']} copies: {row['copied'] / 1e6:.1f} MB in {row['copy_runs']} strided copies, the "
