@@ -102,7 +102,7 @@ class Source:
       ((0,), (slice(2, 4, None), slice(0, 2, None)))
     """
 
-    __slots__ = ("_leaves", "_key")
+    __slots__ = ("_leaves", "_key", "_ranks")
 
     def __init__(self, leaves: Mapping[str, Layout]) -> None:
         if not isinstance(leaves, Mapping):
@@ -123,6 +123,9 @@ class Source:
         self._leaves = dict(sorted(leaves.items()))
         self._key = tuple((p, lay.shape, lay.dtype, lay.spec, lay.mesh.shape, lay.mesh.axis_names,
                            lay.mesh.device_ids) for p, lay in self._leaves.items())
+        # Read on every sync (the handshake checks every trainer rank's role): computed once.
+        self._ranks = tuple(sorted({split_source_id(d)[0] for lay in self._leaves.values()
+                                    for d in lay.mesh.device_ids}))
 
     @classmethod
     def build(cls, shapes: Mapping[str, Sequence[int]], mesh: Mesh,
@@ -163,7 +166,7 @@ class Source:
     @property
     def ranks(self) -> tuple[int, ...]:
         """The torch ranks of the trainer processes holding any leaf."""
-        return tuple(sorted({split_source_id(d)[0] for lay in self._leaves.values() for d in lay.mesh.device_ids}))
+        return self._ranks
 
     def key(self) -> tuple:
         """A canonical, hashable description (what the fingerprint covers)."""
