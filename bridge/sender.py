@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from bridge._args import check_flag, check_int, check_seconds
 from bridge._plan import BridgePlan, Message
-from bridge._source import Source, source_id
+from bridge._source import Source, source_id, split_source_id
 from bridge._wire import SENDER, SyncError, check_plan_and_rank, new_arena, reject_sync, run_sync, torch_dtype
 from jreshard.core.layout import Layout
 from jreshard.core.mesh import Mesh
@@ -192,6 +192,9 @@ class Sender:
         for key, where in last_use.items():
             self._release.setdefault(where, []).append(key)
         self._arena = new_arena()  # bucket buffers, reused across syncs
+        # Per (leaf, source id) of this process: the box its shard must hold (checked on every sync).
+        self._boxes = {(path, d): plan.source.layout(path).shard_box(d) for path in plan.source.paths
+                       for d in plan.source.layout(path).mesh.device_ids if split_source_id(d)[0] == rank}
         self.stats: dict[str, float] = {}
 
     def _shards(self, params: Any) -> dict[tuple[str, int], Any]:
@@ -219,9 +222,9 @@ class Sender:
                 )
             for shard in x.addressable_shards:
                 dev = sid[shard.device.id]
-                if dev not in layout.mesh:
+                want = self._boxes.get((path, dev))
+                if want is None:  # a device outside the leaf's mesh
                     continue
-                want = layout.shard_box(dev)
                 got = tuple(slice(*s.indices(n)[:2]) for s, n in zip(shard.index, layout.shape, strict=True))
                 if want != got:
                     raise ValueError(
