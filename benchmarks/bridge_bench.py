@@ -565,7 +565,7 @@ STEPS = ("handshake", "pack", "vote", "post", "wait", "check", "unpack", "commit
 def _breakdown(stats: list[dict]) -> None:
     """Where each rank's time went in its last bridge sync (Sender.stats / Receiver.stats)."""
     print("where the time goes, last repetition, ms per rank (pack: casting, packing and receive set-up; "
-          "vote: all_gathers incl. digests of sent pieces; post: batch_isend_irecv; wait: waiting for the "
+          "vote: all_gathers incl. digests of sent pieces; post: posting sends and receives; wait: waiting for the "
           "wire; check: digests of received pieces; commit: shadow -> params; total: the protocol, without the "
           "commit; outside: the rest of the sync call, e.g. the sender's shard look-up, the receiver's staging):")
     for row in sorted(stats, key=lambda r: r["rank"]):

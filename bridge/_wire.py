@@ -23,8 +23,9 @@ Protocol of one sync, every rank of the group taking part:
    mismatch as a failure. A rank that failed between votes keeps sending and receiving
    staging bytes of the planned sizes, so its peers' operations match, unpacks nothing
    and announces the failure (naming its bucket) in the next vote.
-3. Buckets: per bucket every rank posts one ``batch_isend_irecv``: per peer, one
-   operation per segment of the message (``BridgePlan.segments``). Each piece starts
+3. Buckets: per bucket every rank posts its operations at once (``_post``: with gloo
+   straight to the process group's ``send`` / ``recv``, else one ``batch_isend_irecv``):
+   per peer, one operation per segment of the message (``BridgePlan.segments``). Each piece starts
    at a 64-byte-aligned offset of the message and is laid out C-contiguous in the
    param's dim order (the sender casts and transposes, the receiver only copies
    blocks). A piece contiguous in the sender's cast/transposed shard is sent from
@@ -335,6 +336,8 @@ def _run(plan: BridgePlan, rank: int, group, ranks: list[int], *, role: int, ver
     deadline = time.monotonic() + timeout
     tally["handshake"] = time.perf_counter() - start
     home = plan.domain_of(rank)
+    away = {r: plan.domain_of(r) != home for r in ranks}  # peers in another domain
+    direct, peer_in_group = _direct_p2p(group, ranks)
     if arena is None:
         arena = new_arena()  # [send|recv][parity] uint8 buffers of up to bucket_bytes
 
@@ -377,15 +380,14 @@ def _run(plan: BridgePlan, rank: int, group, ranks: list[int], *, role: int, ver
         return _Bucket(ops, [], [], [], [])
 
     def post(state: _Bucket, b: int) -> list:
-        ops = [dist.P2POp(op.fn, op.buf, op.peer, group) for op in state.ops]
         for op in state.ops:
             n = op.buf.numel() * op.buf.element_size()
             way = "sent" if op.fn is dist.isend else "received"
             tally[way] += n
-            if plan.domain_of(op.peer) != home:
+            if away[op.peer]:
                 tally["cross_domain_" + way] += n
         try:
-            return dist.batch_isend_irecv(ops) if ops else []
+            return _post(state.ops, group, direct, peer_in_group) if state.ops else []
         except RuntimeError as e:  # gloo fails at once when a peer's connection is already closed
             raise give_up(SyncError(f"rank {rank}: posting bucket {b + 1}/{plan.num_buckets} failed: {e}")) from e
 
@@ -543,6 +545,29 @@ def _run(plan: BridgePlan, rank: int, group, ranks: list[int], *, role: int, ver
              rank, version, f"{nbytes:,}", plan.num_buckets, elapsed, nbytes / max(elapsed, 1e-9) / 1e9,
              os.getpid())
     return version
+
+
+def _direct_p2p(group, ranks: list[int]) -> tuple[Any, dict[int, int]]:
+    """The process group to post point-to-point operations to one by one, and each peer's rank in it.
+
+    With gloo, ``batch_isend_irecv`` posts each operation through ``isend`` / ``irecv``, whose
+    Python checks cost more than the call itself (a sync posts hundreds of operations per rank);
+    the sync's tensors and peers are checked already, so ``_post`` calls the group's ``send`` /
+    ``recv`` as they do. A backend that batches (NCCL) keeps ``batch_isend_irecv``: returns
+    ``(None, {})`` then.
+    """
+    pg = group if group is not None else dist.group.WORLD
+    if pg is None or dist.get_backend(pg) != "gloo":
+        return None, {}
+    return pg, {r: dist.get_group_rank(pg, r) for r in ranks}
+
+
+def _post(ops: list[_Op], group, direct, peer_in_group: dict[int, int]) -> list:
+    """Posts one bucket's operations (one call per bucket: tests inject faults here); returns their works."""
+    if direct is not None:
+        return [(direct.send if op.fn is dist.isend else direct.recv)([op.buf], peer_in_group[op.peer], 0)
+                for op in ops]
+    return dist.batch_isend_irecv([dist.P2POp(op.fn, op.buf, op.peer, group) for op in ops])
 
 
 class _WrongCount(Exception):

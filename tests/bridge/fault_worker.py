@@ -42,6 +42,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import bridge  # noqa: E402
+from bridge import _wire  # noqa: E402
 from bridge._wire import SENDER, run_sync  # noqa: E402
 from jreshard import Layout  # noqa: E402
 from tests.bridge.wire_worker import sender as wire_sender  # noqa: E402
@@ -78,7 +79,7 @@ def stalled(fault: str) -> int | None:
 
 def _fault(fault: str, rank: int, plan: bridge.BridgePlan, pack, dead: Path):
     """Installs ``fault`` for this process's next sync; returns the (possibly wrapped) pack and an undo."""
-    real_batch, real_gather = dist.batch_isend_irecv, dist.all_gather
+    real_batch, real_gather = _wire._post, dist.all_gather
     calls = {"batch": 0, "gather": 0}
     final_gather = plan.num_buckets + 2  # the handshake, one vote per bucket, then the final ack
     mine = victim(fault) == rank
@@ -87,15 +88,15 @@ def _fault(fault: str, rank: int, plan: bridge.BridgePlan, pack, dead: Path):
         dead.write_text(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
 
-    def batch(ops):
+    def batch(ops, *rest):
         calls["batch"] += 1
         if calls["batch"] == 2:
             if fault == "flip" and rank == 0:
-                t = next(op.tensor for op in ops if op.op is dist.isend)
+                t = next(op.buf for op in ops if op.fn is dist.isend)
                 t[0] = t[0] ^ 0xFF
             if mine and fault.endswith("_mid"):
                 die()
-        return real_batch(ops)
+        return real_batch(ops, *rest)
 
     def gather(*args, **kwargs):
         calls["gather"] += 1
@@ -124,10 +125,10 @@ def _fault(fault: str, rank: int, plan: bridge.BridgePlan, pack, dead: Path):
             time.sleep(STALL)
         return segs
 
-    dist.batch_isend_irecv, dist.all_gather = batch, gather
+    _wire._post, dist.all_gather = batch, gather
 
     def undo():
-        dist.batch_isend_irecv, dist.all_gather = real_batch, real_gather
+        _wire._post, dist.all_gather = real_batch, real_gather
 
     return wrapped, undo
 

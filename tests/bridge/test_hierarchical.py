@@ -122,15 +122,17 @@ def worker(args) -> None:
         sync("direct", "never", 2)
         before = {k: v.clone() for k, v in params.items()}
         if rank == VICTIM:
-            real = dist.batch_isend_irecv
+            from bridge import _wire
 
-            def dying(ops):
-                if any(op.op is dist.isend for op in ops):  # a receiver sends only in stage 2
+            real = _wire._post
+
+            def dying(ops, *rest):
+                if any(op.fn is dist.isend for op in ops):  # a receiver sends only in stage 2
                     Path(args.out, "victim_dies").write_text(repr(time.time()))  # the standby replaces it
                     os.kill(os.getpid(), signal.SIGKILL)
-                return real(ops)
+                return real(ops, *rest)
 
-            dist.batch_isend_irecv = dying
+            _wire._post = dying
         sync("kill", "always", 3)
         if rank not in TRAINERS:
             events["kill"]["unchanged"] = all(torch.equal(before[k], params[k]) for k in params)
