@@ -557,7 +557,9 @@ def _direct_p2p(group, ranks: list[int]) -> tuple[Any, dict[int, int]]:
     ``(None, {})`` then.
     """
     pg = group if group is not None else dist.group.WORLD
-    if pg is None or dist.get_backend(pg) != "gloo":
+    # ``name()``: the group's default backend. ``dist.get_backend`` would refuse a group built outside
+    # torch.distributed's registry (``bridge.vllm._group.open_group``).
+    if pg is None or pg.name() != "gloo":
         return None, {}
     return pg, {r: dist.get_group_rank(pg, r) for r in ranks}
 

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from bridge._alarm import Alarm, store_of
-from bridge._wire import SyncError, _group_ranks
+from bridge._wire import SyncError, _direct_p2p, _group_ranks
 from bridge.vllm._group import all_gather_json, close_group, open_group
 
 
@@ -24,6 +24,18 @@ def test_a_group_from_open_group_needs_no_default_group(no_default_group):
     try:
         assert _group_ranks(pg) == [0]
         assert all_gather_json({"rank": 0}, pg, timeout=10, what="a test") == [{"rank": 0}]
+    finally:
+        close_group(pg)
+
+
+def test_a_group_from_open_group_is_posted_to_directly(no_default_group):
+    # Outside torch.distributed's registry (dist.get_backend refuses it), still a gloo group: the
+    # wire posts to its send/recv, with each peer's rank in the group.
+    pg = open_group("127.0.0.1", 0, 0, 1, timeout=10)
+    try:
+        with pytest.raises(ValueError):
+            dist.get_backend(pg)
+        assert _direct_p2p(pg, [0]) == (pg, {0: 0})
     finally:
         close_group(pg)
 
