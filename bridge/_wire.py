@@ -254,7 +254,7 @@ def _exchange_keys(plan: BridgePlan, rank: int, ranks: list[int], group, deadlin
     mine = torch.frombuffer(bytearray(encode(plan_key(plan))), dtype=torch.uint8)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in ranks]
     wait_for(dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64), group=group, async_op=True),
-          deadline, "the plan comparison", rank)
+             deadline, "the plan comparison", rank)
     longest = max(int(n.item()) for n in sizes)
     padded = torch.zeros(longest, dtype=torch.uint8)
     padded[:mine.numel()] = mine

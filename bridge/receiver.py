@@ -26,7 +26,7 @@ import torch.distributed as dist
 from bridge._args import check_flag, check_seconds
 from bridge._dtensor import dtensor_params
 from bridge._param_map import Param, ParamMap
-from bridge._plan import ALIGN, BridgePlan, Message
+from bridge._plan import BridgePlan, Message, _aligned
 from bridge._source import Source
 from bridge._wire import RECEIVER, check_plan_and_rank, new_arena, reject_sync, run_sync, torch_dtype
 
@@ -276,7 +276,7 @@ class Receiver:
                 continue
             out[(m.bucket, m.src)] = _Held(base, m.nbytes, [(g.start, g.stop) for g in self.plan.segments(m)],
                                            [self._piece(i, off, self.rank) for i, off in m.pieces])
-            base += -(-m.nbytes // ALIGN) * ALIGN
+            base += _aligned(m.nbytes)
         return out
 
     def _compile_forwards(self) -> dict[tuple[int, int], list[_Forward]]:
