@@ -38,6 +38,13 @@ over gloo. The weights are float32 in JAX and bfloat16 on the inference ranks.
              the floor where each receiver copies every byte it received once (one contiguous
              copy of as many bytes), not only those not contiguous in its params: the least an
              atomic commit by copy (the default Receiver's) adds to the floor, whoever does it
+  pipeline without the protocol
+             the default Sender's own packing (DLPack, XLA, copies) and the default Receiver's own
+             held bytes and commit, in the bridge's buckets (two staging buffers per trainer, every
+             receive posted at once), each bucket's segments posted straight to the gloo process
+             group once the bucket before was sent: no handshake, votes, alarm, waiting thread,
+             counts or checks. The bridge's time over it is what its protocol costs; its time over
+             the floor with an atomic commit, what the bridge's own copies and pipelining cost
 
 With ``--hierarchical`` it runs instead 2 trainer processes and 2 "nodes" of 2 inference ranks
 (ranks 2, 3 and 4, 5; TP1, four replicas, two per node) and times the bridge with
@@ -295,6 +302,25 @@ def worker(args) -> None:
             phase(ref, "pack", copies[ref])
             phase(ref, "p2p", raw_p2p)
 
+        group = dist.group.WORLD
+        most = max((sum(m.nbytes for m in plan.sends(rank, b)) for b in range(plan.num_buckets)), default=0)
+        staging = [torch.empty(max(most, 1), dtype=torch.uint8) for _ in range(2)]
+
+        def pipeline():
+            """The default Sender's own packing, bucket by bucket into two buffers, each bucket posted straight
+            to gloo once the one before it was sent: the bridge's pipeline with none of its protocol."""
+            shards, cache, works = sender._shards(params), {}, []
+            for b in range(plan.num_buckets):
+                buf, off, sends = staging[b % 2], 0, []
+                for m in plan.sends(rank, b):
+                    sends += [(m.dst, x) for x in sender._pack(shards, cache, m, buf[off:off + m.nbytes])]
+                    off += m.nbytes
+                for w in works:
+                    w.wait()
+                works = [group.send([x], dst, 0) for dst, x in sends]
+            for w in works:
+                w.wait()
+
         version = itertools.count(1)
         bridges = {"bridge": sender, "swap": sender, "inplace": sender, "checksum": checked}
         runs = {k: (lambda s=s: s.sync(params, version=next(version))) for k, s in bridges.items()}
@@ -305,8 +331,23 @@ def worker(args) -> None:
         def zeros() -> dict[str, torch.Tensor]:
             return {p.name: torch.zeros(p.shape, dtype=wire) for p in mine}
 
-        local, swapped, inplace, sliced = zeros(), zeros(), zeros(), zeros()
+        local, swapped, inplace, sliced, piped = zeros(), zeros(), zeros(), zeros(), zeros()
         receiver = bridge.Receiver(plan, local, rank=rank, timeout=300)
+        # The default Receiver's own held bytes and commit, into params of their own (checked like the others).
+        holder = bridge.Receiver(plan, piped, rank=rank, timeout=300)
+        group = dist.group.WORLD
+
+        def pipeline():
+            """Every receive posted at once into the default Receiver's held bytes, then its commit: the bridge's
+            pipeline with none of its protocol."""
+            held = holder._held
+            hold = holder._held_bytes(held, torch.device("cpu"))
+            works = [group.recv([x], m.src, 0) for m in plan.messages if m.dst == rank
+                     for x in holder._recv_held(held, hold, m, None)]
+            for w in works:
+                w.wait()
+            with torch.no_grad():
+                holder._commit_held(held, hold)
         # checksum: the same receiver; the senders announce digests, the receivers check them
         bridges = {"bridge": receiver, "swap": bridge.Receiver(plan, swapped, rank=rank, timeout=300, swap=True),
                    "inplace": bridge.Receiver(plan, inplace, rank=rank, timeout=300, atomic=False),
@@ -330,7 +371,7 @@ def worker(args) -> None:
             phase(ref, "unpack", copies[ref])
 
     runs.update(gather=gather, raw=raw_p2p, floor=floor, copies=lambda: floor("copies"), rawb=raw_bucketed,
-                afloor=lambda: floor("afloor"))
+                afloor=lambda: floor("afloor"), pipeline=pipeline)
     call: dict[str, float] = {}  # per row, this rank's seconds in its last call
     cpu: dict[str, list[float]] = {k: [] for k in runs}  # per row, this process's CPU seconds (all its threads)
     main_cpu: dict[str, list[float]] = {k: [] for k in runs}  # per row, the CPU seconds of the calling thread
@@ -362,7 +403,7 @@ def worker(args) -> None:
                                  "cpu": {k: v[1:] for k, v in cpu.items()},
                                  "main_cpu": {k: v[1:] for k, v in main_cpu.items()}}), flush=True)
     if rank == RECEIVERS[0]:
-        same = all(torch.equal(t[n], sliced[n]) for t in (local, swapped, inplace) for n in local)
+        same = all(torch.equal(t[n], sliced[n]) for t in (local, swapped, inplace, piped) for n in local)
         out = {"times": times, "bridge_equals_gather": same, "network_bytes": plan.network_bytes,
                "recv_bytes": plan.rank_bytes()["recv"], "buckets": plan.num_buckets,
                "model_bytes_f32": sum(4 * int(np.prod(lay.shape)) for _, lay in src.items()),

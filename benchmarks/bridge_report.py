@@ -91,7 +91,7 @@ def report(args, cfg, res) -> None:
                      ("gather", "gather-then-broadcast"),
                      ("raw", "raw p2p, same bytes"), ("floor", "floor: layout work + raw"),
                      ("copies", "floor with the layout's copies"), ("afloor", "floor with an atomic commit"),
-                     ("rawb", "raw p2p in the bridge's buckets")):
+                     ("pipeline", "pipeline without the protocol"), ("rawb", "raw p2p in the bridge's buckets")):
         ts = res["times"][k]
         print(f"  {label:<32} {med[k] * 1e3:9.1f} ms   {nbytes / med[k] / 1e9:6.2f} GB/s of bridge bytes   "
               f"(min {min(ts) * 1e3:.1f}, max {max(ts) * 1e3:.1f})")
@@ -110,6 +110,10 @@ def report(args, cfg, res) -> None:
           f"Receiver's commit must; the floor copies only those not contiguous in the params): "
           f"{med['afloor'] / med['floor']:.2f}x the floor; bridge (defaults) time / its time = "
           f"{med['bridge'] / med['afloor']:.2f}")
+    print(f"pipeline without the protocol (the default Sender's packing and Receiver's held commit, in the bridge's "
+          f"buckets, posted straight to gloo: no handshake, votes, alarm or checks): "
+          f"{med['pipeline'] / med['floor']:.2f}x the floor, {med['pipeline'] / med['afloor']:.2f}x the floor with an "
+          f"atomic commit; bridge (defaults) time / its time = {med['bridge'] / med['pipeline']:.2f}")
 
 
 def floor_breakdown(rows: list[dict]) -> None:
