@@ -215,6 +215,7 @@ def worker(args) -> None:
     plan = plans["bridge"]
     bridge.init_group(rank, WORLD, port=args.port, timeout=300)
     bcast = dist.new_group([0, *RECEIVERS])
+    group = dist.group.WORLD  # the pipeline row posts to it straight
     pairs = sorted({(t.src_rank, t.dst) for t in plan.moves})
     pair_bytes = {p: sum(t.nbytes for t in plan.moves if (t.src_rank, t.dst) == p) for p in pairs}
     # Written once here: a buffer never written would be sent from the kernel's shared zero page (one
@@ -302,7 +303,6 @@ def worker(args) -> None:
             phase(ref, "pack", copies[ref])
             phase(ref, "p2p", raw_p2p)
 
-        group = dist.group.WORLD
         most = max((sum(m.nbytes for m in plan.sends(rank, b)) for b in range(plan.num_buckets)), default=0)
         staging = [torch.empty(max(most, 1), dtype=torch.uint8) for _ in range(2)]
 
@@ -335,7 +335,6 @@ def worker(args) -> None:
         receiver = bridge.Receiver(plan, local, rank=rank, timeout=300)
         # The default Receiver's own held bytes and commit, into params of their own (checked like the others).
         holder = bridge.Receiver(plan, piped, rank=rank, timeout=300)
-        group = dist.group.WORLD
 
         def pipeline():
             """Every receive posted at once into the default Receiver's held bytes, then its commit: the bridge's
