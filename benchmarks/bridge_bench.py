@@ -4,7 +4,7 @@ Setup: 2 JAX trainer processes (2 simulated CPU devices each, FSDP over 4) and 2
 inference ranks (TP2, vLLM-style fused qkv/gate_up, padded vocabulary), all on 127.0.0.1
 over gloo. The weights are float32 in JAX and bfloat16 on the inference ranks.
 
-  bridge     the defaults: bridge.sender.Sender -> bridge.Receiver (DLPack export, XLA
+  bridge     the defaults: bridge.trainer.sender.Sender -> bridge.Receiver (DLPack export, XLA
              cast/transpose, contiguous pieces sent and received in place, the rest packed;
              byte counts checked, no digests; atomic commit by copy on the receivers)
   swap       the same with Receiver(swap=True): the atomic commit swaps storage (no copy), so
@@ -151,10 +151,10 @@ def _layout_copies(plan, rank: int) -> list[tuple[Any, Any]]:
     transposed) shards (``Segment.src_direct``) from a tensor of the shard's real shape, in
     torch dim order, into a buffer at the piece's offset in its message (a transposed shard is
     XLA's output, in the param dtype; any other is read as it is and cast by the copy, as
-    ``bridge.sender`` does). A receiver unpacks every piece of its segments that are not
+    ``bridge.trainer.sender`` does). A receiver unpacks every piece of its segments that are not
     contiguous in its params (``Segment.dst_direct``) from such a buffer into its block of a
     tensor of the param's shape (``BridgePlan.param_box`` of the param seen as
-    ``BridgePlan.view_of``), as ``bridge.receiver`` does. Every tensor is preallocated here and
+    ``BridgePlan.view_of``), as ``bridge.wire.receiver`` does. Every tensor is preallocated here and
     every view built here, so a timed run is the strided ``copy_`` calls alone.
     """
     import torch
@@ -271,12 +271,12 @@ def worker(args) -> None:
         import jax
         from jax.sharding import NamedSharding, PartitionSpec as P
 
-        from bridge.sender import Sender
+        from bridge.trainer.sender import Sender
 
         mesh, params = _jax_params(args, src)
         sender = Sender(plan, rank=rank, timeout=300)  # the defaults: no digests
         checked = Sender(plan, rank=rank, timeout=300, checksum=True)
-        wire = getattr(torch, plan.mapping.targets[0].dtype)
+        wire = getattr(torch, plan.param_map.params[0].dtype)
         replicate = jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, P()))
 
         def gather():
@@ -406,7 +406,7 @@ def worker(args) -> None:
         out = {"times": times, "bridge_equals_gather": same, "network_bytes": plan.network_bytes,
                "recv_bytes": plan.rank_bytes()["recv"], "buckets": plan.num_buckets,
                "model_bytes_f32": sum(4 * int(np.prod(lay.shape)) for _, lay in src.items()),
-               "transfers": len(plan.transfers), "messages": len(plan.messages)}
+               "moves": len(plan.moves), "messages": len(plan.messages)}
         print("RESULT " + json.dumps(out), flush=True)
     dist.barrier()
     if rank in TRAINERS:
@@ -449,7 +449,7 @@ def hierarchical_worker(args, src, plans) -> None:
     bridge.init_group(rank, world, port=args.port, timeout=300)
     times: dict[str, list[float]] = {m: [] for m in plans}
     if rank in TRAINERS:
-        from bridge.sender import Sender
+        from bridge.trainer.sender import Sender
 
         _, params = _jax_params(args, src)
         senders = {m: Sender(p, rank=rank, timeout=300) for m, p in plans.items()}

@@ -6,7 +6,7 @@ qkv/gate_up, padded vocabulary), all on 127.0.0.1 over gloo. Block-scaled FP8
 (e4m3fn, 128 x 128 blocks by default) for every linear layer; embeddings, lm_head and
 norms in bfloat16 in every mode.
 
-  fp8        the trainers quantize where their shards are (bridge.fp8_sender.quantize_params:
+  fp8        the trainers quantize where their shards are (bridge.trainer.fp8.quantize_params:
              partial amax exchanged for the blocks FSDP cuts), then Sender.sync of FP8 weights
              and float32 scales; the receivers hold torch.float8_e4m3fn weights
   bf16       Sender.sync of the same weights cast to bfloat16 (the bridge's default delivery)
@@ -72,8 +72,8 @@ def trainer(args, rank: int, fp8, fp8_plan, bf16_plan, cfg) -> dict:
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from bridge.fp8_sender import quantize_params
-    from bridge.sender import Sender
+    from bridge.trainer.fp8 import quantize_params
+    from bridge.trainer.sender import Sender
     from jreshard import nn as jnn
     from jreshard.nn import fsdp_spec, param_shapes
 

@@ -138,7 +138,7 @@ def bridge_worker(a) -> None:
         import jax
         from jax.sharding import NamedSharding, PartitionSpec as P
 
-        from bridge.sender import Sender
+        from bridge.trainer.sender import Sender
         from jreshard.nn import fsdp_spec
 
         jax.distributed.initialize(f"{a.master}:{a.jax_port}", num_processes=len(TRAINERS), process_id=rank,
@@ -341,7 +341,7 @@ def predictions(a, links: Links) -> dict[str, dict[str, float]]:
     """
     import numpy as np
 
-    from bridge._plan import STAGE2_LAG
+    from bridge.plan.bridge_plan import STAGE2_LAG
     from jreshard import Layout, Mesh
     from jreshard.fleet.cost import compare
     from jreshard.nn import fsdp_spec, param_shapes

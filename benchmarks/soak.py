@@ -84,7 +84,7 @@ def bridge_worker(args) -> None:
         import jax
         from jax.sharding import NamedSharding, PartitionSpec as P
 
-        from bridge.sender import Sender
+        from bridge.trainer.sender import Sender
 
         jax.distributed.initialize(f"127.0.0.1:{args.jax_port}", num_processes=2, process_id=rank,
                                    initialization_timeout=120)

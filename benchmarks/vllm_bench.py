@@ -4,7 +4,7 @@ Setup: one JAX trainer process with 4 simulated CPU devices (FSDP) holds a dense
 few hundred MB (float32); a vLLM engine (TP2, backend "jreshard") serves the same model in
 two worker processes. Side by side on the same engine:
 
-  jreshard   bridge.vllm.VLLMWeightSync: every worker receives exactly its slices (lower bound),
+  jreshard   bridge.engines.vllm.VLLMWeightSync: every worker receives exactly its slices (lower bound),
              straight from the trainer's shards, then vLLM's post-load processing per layer
   nccl-like  what vLLM's "nccl" backend does, over gloo here: the trainer gathers every full
              tensor, broadcasts every checkpoint-format tensor to every worker, and each worker
@@ -41,7 +41,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # ------------------------------------------------------------------ bytes from plans (pure)
 def planner_only() -> None:
     from bridge import Source, trainer_mesh
-    from bridge.vllm._handshake import EngineShape, Recipe, build_param_map, bytes_per_worker
+    from bridge.engines.hello import EngineShape, Recipe, build_param_map, bytes_per_worker
     from jreshard.nn import LlamaConfig, MoeConfig, fsdp_spec, param_shapes
 
     models = [("Qwen3-32B", LlamaConfig.load("qwen3-32b"), Recipe.llama),
@@ -75,7 +75,7 @@ def receive_full(worker: Any, host: str, port: int, world: int,
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-    from bridge.vllm._group import close_group, open_group
+    from bridge.engines.group import close_group, open_group
 
     model = worker.model_runner.get_model()
     pg = open_group(host, port, 1 + get_tensor_model_parallel_rank(), world, timeout=300.0, name="baseline")
@@ -166,9 +166,9 @@ def live(args: argparse.Namespace) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import WeightTransferConfig
 
-    from bridge.vllm import LLMClient, Recipe, VLLMWeightSync
-    from bridge.vllm._group import close_group, open_group
-    from bridge.vllm._handshake import bytes_per_worker
+    from bridge.engines.group import close_group, open_group
+    from bridge.engines.hello import bytes_per_worker
+    from bridge.engines.vllm import LLMClient, Recipe, VLLMWeightSync
     from jreshard.nn import LlamaConfig, fsdp_spec, init_params
 
     cfg = (LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=2,

@@ -1,31 +1,38 @@
-"""bridge: sync JAX-sharded weights into PyTorch ranks over torch.distributed.
+"""bridge: sync JAX-sharded weights into PyTorch ranks (and inference engines) over torch.distributed.
 
-Importing this package imports neither jax nor torch: params, rules and plans
-are pure, so inference processes (torch only) and trainer processes (JAX)
-compute the same plan. ``Receiver`` and ``init_group`` import torch on first use;
-``bridge.sender.Sender`` (trainer processes only) imports jax. The words
-(param, region, rule, param map, piece, message, bucket, rank) are those of
-``docs/glossary.md``.
+Importing this package imports neither jax nor torch: params, rules and plans are pure,
+so inference processes (torch only) and trainer processes (JAX) compute the same plan.
+The torch names below are imported on first use and never import jax; the trainer's
+``bridge.trainer.Sender`` imports jax. The words (param, region, rule, param map, piece,
+message, bucket, rank, transport) are those of ``docs/glossary.md``.
 
-Modules: ``_source`` (the trainer side over source ids), ``_param_map`` (params
-and regions), ``_dims`` (named dims of a rule), ``_rules`` (rules and the TP/EP
-param map), ``_dtensor`` (DTensor params), ``_reduce`` and
-``_plan`` (the plan), ``_plan_key`` (what a fingerprint covers), ``_args`` (argument
-checks), ``_wire`` (the torch.distributed protocol), ``_vote`` (per-bucket votes: sizes,
-checksums, failures), ``receiver``, ``sender``; model recipes live in
-``bridge.recipes``.
+Layers, each folder importing only the ones below it (enforced by import-linter):
+
+=================  ==========================================================  ==================
+folder             what lives there                                            imports
+=================  ==========================================================  ==================
+``engines/``       engine-generic hello, plan agreement, sync group; one       all below; vLLM
+                   folder per engine (``engines/vllm``)
+``trainer/``       the JAX side: ``Sender``, FP8 quantizing sender             wire, plan, jax
+``wire/``          the sync session, transports, votes, digests, alarm,        plan, torch
+                   ``Receiver`` and its commit strategies
+``recipes/``       model rules (Llama/Qwen3, Qwen3-MoE, MaxText trees)         plan
+``plan/``          sources, params, rules, ``BridgePlan``, fingerprints        jreshard.core
+``errors``         ``SyncError``, ``PlanMismatchError``                        nothing
+=================  ==========================================================  ==================
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from bridge._dtensor import dtensor_params
-from bridge._fp8 import Fp8ParamMap, fp8_param_map
-from bridge._param_map import Param, ParamMap, Region
-from bridge._plan import BridgePlan, Message, ParamMove, Piece, Segment
-from bridge._rules import Rule, tp_param_map
-from bridge._source import SOURCE_BASE, Source, source_id, split_source_id, trainer_mesh
+from bridge.errors import PlanMismatchError, SyncError
+from bridge.plan.bridge_plan import BridgePlan, Message, ParamMove, Piece, Segment
+from bridge.plan.dtensor import dtensor_params
+from bridge.plan.fp8 import Fp8ParamMap, fp8_param_map
+from bridge.plan.param_map import Param, ParamMap, Region
+from bridge.plan.rules import Rule, tp_param_map
+from bridge.plan.source import SOURCE_BASE, Source, source_id, split_source_id, trainer_mesh
 from bridge.recipes.llama import llama_param_map, llama_rules
 from bridge.recipes.qwen3_moe import qwen3_moe_param_map, qwen3_moe_rules
 
@@ -61,25 +68,13 @@ __all__ = [
     "trainer_mesh",
 ]
 
-# Old names, kept so that existing code keeps working (not in __all__: ``Mapping`` would
-# shadow collections.abc.Mapping under a star import).
-Target = Param
-Mapping = ParamMap
-Transfer = ParamMove
-tp_mapping = tp_param_map
-llama_mapping = llama_param_map
-dtensor_targets = dtensor_params
-
 # torch-side names, imported on first use (they import torch, never jax).
 _LAZY: dict[str, str] = {
-    "Receiver": "bridge.receiver",
-    "SyncError": "bridge._wire",
-    "PlanMismatchError": "bridge._wire",
-    "init_group": "bridge._wire",
-    "reject_sync": "bridge._wire",
-    "rebuild_group": "bridge._wire",
-    "dtensor_param_map": "bridge.receiver",
-    "dtensor_mapping": "bridge.receiver",
+    "Receiver": "bridge.wire.receiver",
+    "init_group": "bridge.wire.session",
+    "reject_sync": "bridge.wire.session",
+    "rebuild_group": "bridge.wire.session",
+    "dtensor_param_map": "bridge.wire.receiver",
 }
 
 

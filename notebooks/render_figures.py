@@ -67,8 +67,8 @@ def jax_to_torch() -> Figure:
 def vllm_refit() -> Figure:
     """04_vllm_refit: bytes each vLLM worker receives per sync of the notebook's Qwen3 at TP2, by backend."""
     import bridge
-    from bridge.vllm import EngineShape, Recipe
-    from bridge.vllm._handshake import build_param_map, bytes_per_worker
+    from bridge.engines.hello import build_param_map, bytes_per_worker
+    from bridge.engines.vllm import EngineShape, Recipe
     from jreshard.nn import LlamaConfig, fsdp_spec, param_shapes
 
     cfg = LlamaConfig.load("llama-tiny", qk_norm=True)

@@ -165,7 +165,7 @@ def _overlapping():
     """A receiver of two params whose storage partly overlaps."""
     import torch
 
-    from bridge.receiver import Receiver
+    from bridge.wire.receiver import Receiver
 
     src = bridge.Source({"w": Layout((8, 6), TM, ("fsdp",), "float32"), "v": Layout((6,), TM, (), "float32")})
     pm = bridge.tp_param_map(src, [R("w", "lin.weight", transpose=True), R("v", "norm.weight")], [1])
@@ -211,7 +211,7 @@ row("Source empty", lambda: bridge.Source({}), ValueError, "leaves must hold at 
 
 # --- Sender and what Sender.sync is given
 def sender(**kw):
-    from bridge.sender import Sender
+    from bridge.trainer.sender import Sender
 
     return Sender(kw.pop("plan", BP), **{"rank": 0, **kw})
 

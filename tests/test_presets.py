@@ -144,7 +144,7 @@ def test_kv_heads_replicated_whole_when_tp_exceeds_them():
 
 def test_heads_agree_with_the_bridge_rule():
     bridge = pytest.importorskip("bridge")
-    from bridge._source import trainer_mesh
+    from bridge.plan.source import trainer_mesh
     from jreshard import Layout
 
     # The bridge's Rule for 4 KV heads at TP8 reads the same rows as the preset's layout.

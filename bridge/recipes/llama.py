@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from bridge._args import check_flag, check_int
-from bridge._param_map import ParamMap
-from bridge._rules import Rule, tp_param_map
-from bridge._source import Source
+from bridge.plan.param_map import ParamMap
+from bridge.plan.rules import Rule, tp_param_map
+from bridge.plan.source import Source
+from jreshard.core.args import check_flag, check_int
 
 if TYPE_CHECKING:
     from jreshard.nn.config import LlamaConfig

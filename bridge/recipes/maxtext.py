@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from bridge._param_map import ParamMap
-from bridge._rules import Rule, tp_param_map
-from bridge._source import Source
+from bridge.plan.param_map import ParamMap
+from bridge.plan.rules import Rule, tp_param_map
+from bridge.plan.source import Source
 
 if TYPE_CHECKING:
     from jreshard.nn.config import LlamaConfig

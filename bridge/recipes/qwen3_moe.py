@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from bridge._param_map import ParamMap
-from bridge._rules import Rule, tp_param_map
-from bridge._source import Source
+from bridge.plan.param_map import ParamMap
+from bridge.plan.rules import Rule, tp_param_map
+from bridge.plan.source import Source
 from bridge.recipes.llama import llama_rules, tie_lm_head
 
 if TYPE_CHECKING:

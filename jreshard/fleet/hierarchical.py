@@ -80,7 +80,7 @@ def predict_two_stage(tsp: TwoStagePlan, topo: Topology, *, overlap: int = 0) ->
       overlap: ``0`` (``jreshard.transfer``): stage 2 starts when stage 1 is done, and their
         times add. ``n >= 1``: the executor carries both stages in the same buckets, each
         stage-2 send at least ``n`` buckets after the stage-1 sends that deliver what it
-        forwards (the bridge: ``n = 2``, ``bridge._plan.STAGE2_LAG``). The sync then takes
+        forwards (the bridge: ``n = 2``, ``bridge.plan.bridge_plan.STAGE2_LAG``). The sync then takes
         the longer stage plus the pipeline's drain: the part of stage 2 that forwards what
         the last ``n`` buckets delivered, taken as ``n`` buckets' share of stage 2's time
         (``n * bucket_bytes`` over the most bytes a device receives in both stages, at most

@@ -42,8 +42,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import bridge  # noqa: E402
-from bridge import _wire  # noqa: E402
-from bridge._wire import SENDER, run_sync  # noqa: E402
+from bridge.wire import session as _wire  # noqa: E402
+from bridge.wire.session import SENDER, run_sync  # noqa: E402
 from jreshard import Layout  # noqa: E402
 from tests.bridge.wire_worker import sender as wire_sender  # noqa: E402
 

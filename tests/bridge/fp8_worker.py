@@ -3,7 +3,7 @@
 Run by tests/bridge/test_fp8_e2e.py. For each model of ``MODELS`` in turn (the dense flax
 Llama, then the flax MoE model), the trainers (2 CPU devices each, FSDP over 4) build it,
 quantize its linear layers (and stacked experts) where their shards are
-(``bridge.fp8_sender.quantize_params``) and sync them, then sync the same weights in
+(``bridge.trainer.fp8.quantize_params``) and sync them, then sync the same weights in
 bfloat16. The receivers (TP2, vLLM's names: fused ``qkv_proj``/``gate_up_proj``, FusedMoE's
 ``w13_weight``/``w2_weight``) hold the FP8 weights as ``torch.float8_e4m3fn`` and record the
 bytes they received (``Receiver.stats``). Results go under --out, per model ``m``:
@@ -91,8 +91,8 @@ def _train_side(rank: int, args, mesh, model: str, version: int) -> None:
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from bridge.fp8_sender import quantize_params
-    from bridge.sender import Sender, flatten_params
+    from bridge.trainer.fp8 import quantize_params
+    from bridge.trainer.sender import Sender, flatten_params
     from jreshard import nn as jnn
 
     ev = events[model] = {}
@@ -110,12 +110,12 @@ def _train_side(rank: int, args, mesh, model: str, version: int) -> None:
     if rank == 0:
         np.save(os.path.join(args.out, f"{model}_jax_logits.npy"), np.asarray(logits.addressable_data(0)))
         np.savez(os.path.join(args.out, f"{model}_params.npz"), **full)
-    ev["describe_matches_config"] = bridge.sender.describe(params, C.TRAINERS) == C.source_for(cfg)
+    ev["describe_matches_config"] = bridge.trainer.sender.describe(params, C.TRAINERS) == C.source_for(cfg)
     t0 = time.perf_counter()
     sent = quantize_params(params, fp8)
     jax.block_until_ready(sent)
     ev["quantize_seconds"] = time.perf_counter() - t0
-    ev["quantized_matches_plan"] = bridge.sender.describe(sent, C.TRAINERS) == fp8.source
+    ev["quantized_matches_plan"] = bridge.trainer.sender.describe(sent, C.TRAINERS) == fp8.source
     for phase, plan, tree, v in (("fp8", fp8_plan, sent, version), ("bf16", bf16_plan, params, version + 1)):
         t0 = time.perf_counter()
         Sender(plan, rank=rank, timeout=TIMEOUT).sync(tree, version=v)

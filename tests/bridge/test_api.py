@@ -8,15 +8,11 @@ from pathlib import Path
 import pytest
 
 import bridge
-from bridge._plan_key import decode, describe_difference, encode, plan_key
+from bridge.plan.key import decode, describe_difference, encode, plan_key
 from jreshard import Box, Layout
 from tests.bridge import _common as C
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "bridge.md"
-
-OLD_NAMES = {"Target": "Param", "Mapping": "ParamMap", "Transfer": "ParamMove", "tp_mapping": "tp_param_map",
-             "llama_mapping": "llama_param_map", "dtensor_targets": "dtensor_params"}
-
 
 def _plan(**kw) -> bridge.BridgePlan:
     cfg = C.small_config()
@@ -26,26 +22,14 @@ def _plan(**kw) -> bridge.BridgePlan:
                              bucket_bytes=bucket)
 
 
-def test_public_names_and_old_aliases():
+def test_public_names_and_no_old_aliases():
     for name in bridge.__all__:
-        if name not in ("Receiver", "SyncError", "PlanMismatchError", "init_group", "reject_sync",
-                        "dtensor_param_map"):  # these import torch
+        if name not in ("Receiver", "init_group", "reject_sync", "rebuild_group", "dtensor_param_map"):  # torch
             assert getattr(bridge, name) is not None, name
-    for old, new in OLD_NAMES.items():
-        assert getattr(bridge, old) is getattr(bridge, new), old
-        assert old not in bridge.__all__  # `from bridge import *` must not shadow collections.abc.Mapping
+    for old in ("Target", "Mapping", "Transfer", "tp_mapping", "llama_mapping", "dtensor_targets", "dtensor_mapping"):
+        assert not hasattr(bridge, old), old  # removed in 0.2.0 (docs/changelog.md)
     p = _plan()
-    assert p.mapping is p.param_map and p.transfers is p.moves
-    t = p.moves[0]
-    assert (t.source, t.target) == (t.leaf, t.param) and p.target(t.param, t.dst) is p.param(t.param, t.dst)
-    assert p.messages[0].items is p.messages[0].pieces
-    assert p.param_map.targets is p.param_map.params
-    assert bridge.BridgePlan(p.source, mapping=p.param_map, bucket_bytes=1 << 20).fingerprint == p.fingerprint
-
-
-def test_dtensor_param_map_old_name():
-    pytest.importorskip("torch")
-    assert bridge.dtensor_mapping is bridge.dtensor_param_map
+    assert p.param(p.moves[0].param, p.moves[0].dst).name == p.moves[0].param
 
 
 def test_region_box_is_a_box_whichever_way_it_is_given():
@@ -61,9 +45,6 @@ def test_plan_refuses_a_dtype_the_wire_cannot_carry():
         bridge.BridgePlan(src, bridge.tp_param_map(src, rules, [1, 2], dtype="float8_e5m2"))
     with pytest.raises(TypeError, match="param_map must be a bridge.ParamMap"):
         bridge.BridgePlan(src, {"w": rules})
-    ok = bridge.tp_param_map(src, rules, [1, 2])
-    with pytest.raises(TypeError, match="not both"):
-        bridge.BridgePlan(src, ok, mapping=ok)
 
 
 def test_plan_key_survives_json_and_names_what_differs():

@@ -1,4 +1,4 @@
-"""bridge._digest: the device digest (run here on CPU tensors, forced through the device path) detects
+"""bridge.wire.digest: the device digest (run here on CPU tensors, forced through the device path) detects
 flipped bits, truncated, extended, shifted and permuted payloads; the host digest stays xxh3-64."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 import xxhash
 
-from bridge._digest import PRIME, device_digest, digest, host_digest, is_device_digest
+from bridge.wire.digest import PRIME, device_digest, digest, host_digest, is_device_digest
 
 
 def _payload(n: int, seed: int = 0) -> torch.Tensor:

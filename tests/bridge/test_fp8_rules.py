@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import bridge
-from bridge._fp8 import QUANTIZE_LINEAR, scale_leaf, scale_source_layout
+from bridge.plan.fp8 import QUANTIZE_LINEAR, scale_leaf, scale_source_layout
 from jreshard import Layout
 from jreshard.core.fp8 import Fp8Format, quantize
 from jreshard.nn import LlamaConfig, param_shapes

@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 
 import bridge
-from bridge.vllm._fp8 import engine_fp8_format, fp8_sync_map
-from bridge.vllm._handshake import Target, check_targets
+from bridge.engines.fp8 import engine_fp8_format, fp8_sync_map
+from bridge.engines.hello import Target, check_targets
 from jreshard.core.fp8 import Fp8Format
 from jreshard.nn import LlamaConfig
 from tests.bridge import _common as C

@@ -78,7 +78,7 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     import bridge
-    from bridge._wire import SENDER, run_sync
+    from bridge.wire.session import SENDER, run_sync
     from tests.bridge.wire_worker import sender
 
     rank, events = args.rank, {}
@@ -122,7 +122,7 @@ def worker(args) -> None:
         sync("direct", "never", 2)
         before = {k: v.clone() for k, v in params.items()}
         if rank == VICTIM:
-            from bridge import _wire
+            from bridge.wire import session as _wire
 
             real = _wire._post
 

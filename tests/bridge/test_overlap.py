@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import bridge
-from bridge._plan import ALIGN
+from bridge.plan.bridge_plan import ALIGN
 from jreshard.nn import LlamaConfig, fsdp_spec, param_shapes
 from tests.bridge import _common as C
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import bridge
-from bridge._plan import ALIGN
+from bridge.plan.bridge_plan import ALIGN
 from jreshard import Layout, Mesh
 from jreshard.nn import LlamaConfig, fsdp_spec
 from tests.bridge import _common as C

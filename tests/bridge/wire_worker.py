@@ -1,6 +1,6 @@
 """A torch-only pair of processes for the wire-protocol test (no jax): rank 0 sends, rank 1 receives.
 
-Rank 0 drives ``bridge._wire.run_sync`` directly with a NumPy-backed pack (standing in for the
+Rank 0 drives ``bridge.wire.session.run_sync`` directly with a NumPy-backed pack (standing in for the
 JAX Sender), so the protocol's failure handling is tested in seconds. Phases:
 
   ok       a sync succeeds, bit-exact, committed by swapping storage (swap=True), with no vote
@@ -17,7 +17,7 @@ With ``--alarm`` three processes run one sync instead: rank 0 sends to receivers
 messages come in later buckets). While packing bucket 2 the sender kills rank 1, then gives up (its
 operation with the dead rank fails) before it sends rank 2 anything, and stays alive. Rank 2 never had
 an operation with rank 1, and rank 0's connections stay open, so gloo tells rank 2 nothing: only the
-sync's alarm does (``bridge._alarm``), long before its deadline (``ALARM_TIMEOUT``).
+sync's alarm does (``bridge.wire.alarm``), long before its deadline (``ALARM_TIMEOUT``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import bridge  # noqa: E402
-from bridge._wire import SENDER, run_sync  # noqa: E402
+from bridge.wire.session import SENDER, run_sync  # noqa: E402
 from jreshard import Layout  # noqa: E402
 
 STALL_TIMEOUT = 2.0

@@ -84,7 +84,7 @@ def trainer(rank: int, args) -> None:
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from bridge.sender import Sender, describe
+    from bridge.trainer.sender import Sender, describe
     from jreshard import nn as jnn
 
     jax.distributed.initialize(f"127.0.0.1:{args.jax_port}", num_processes=2, process_id=rank,
@@ -152,7 +152,7 @@ def trainer(rank: int, args) -> None:
 
     run("pre_kill", small, 6)
     if rank == 1:
-        from bridge import _wire
+        from bridge.wire import session as _wire
 
         real, calls = _wire._post, [0]
 

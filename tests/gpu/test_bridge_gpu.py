@@ -54,7 +54,7 @@ def measure(jax, torch, device, *, layers: int = 4, hidden: int = 2048, reps: in
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     import bridge
-    from bridge.sender import Sender, describe
+    from bridge.trainer.sender import Sender, describe
     from jreshard.nn import LlamaConfig, param_shapes
 
     cfg = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
@@ -105,7 +105,7 @@ def measure(jax, torch, device, *, layers: int = 4, hidden: int = 2048, reps: in
 
 
 def sender_flat(params):
-    from bridge.sender import flatten_params
+    from bridge.trainer.sender import flatten_params
 
     return flatten_params(params)
 

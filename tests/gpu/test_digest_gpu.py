@@ -25,7 +25,7 @@ def _cuda_or_skip():
 @pytest.mark.gpu
 def test_cuda_digest_runs_on_the_device_and_equals_the_cpu_formula():
     torch = _cuda_or_skip()
-    from bridge._digest import device_digest, digest, is_device_digest
+    from bridge.wire.digest import device_digest, digest, is_device_digest
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, device="cuda", generator=g)
@@ -42,7 +42,7 @@ def test_cuda_digest_runs_on_the_device_and_equals_the_cpu_formula():
 @pytest.mark.gpu
 def test_cuda_digest_throughput():
     torch = _cuda_or_skip()
-    from bridge._digest import digest
+    from bridge.wire.digest import digest
 
     x = torch.randn(64 << 20, device="cuda").to(torch.bfloat16)  # 128 MiB
     digest(x)

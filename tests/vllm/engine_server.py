@@ -4,7 +4,7 @@ Started by tests/vllm/test_vllm_live.py as a process: ``engine_server.py MODEL_D
 (the model dtype, float32 unless given; an FP8 checkpoint is served in bfloat16). It writes its
 listener's port to PORT_FILE once the engine is up. Requests (tests/vllm/_common.py):
 ``generate`` (greedy tokens and log-probabilities of token-id prompts), ``call`` (a method of
-bridge.vllm.LLMClient), ``pause``/``resume`` (generation waits while paused), ``version`` and ``stop``.
+bridge.engines.vllm.LLMClient), ``pause``/``resume`` (generation waits while paused), ``version`` and ``stop``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import WeightTransferConfig
 
-    from bridge.vllm import LLMClient
+    from bridge.engines.vllm import LLMClient
 
     model_dir, port_file = sys.argv[1], sys.argv[2]
     dtype = sys.argv[3] if len(sys.argv) > 3 else "float32"

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from bridge import BridgePlan
-from bridge._wire import PlanMismatchError
-from bridge.vllm._agree import agree, plan_from_hellos
-from bridge.vllm._fp8 import fp8_hello
-from bridge.vllm._handshake import EngineShape, Recipe, build_param_map
+from bridge.engines.agree import agree, plan_from_hellos
+from bridge.engines.fp8 import fp8_hello
+from bridge.engines.hello import EngineShape, Recipe, build_param_map
+from bridge.wire.session import PlanMismatchError
 from tests.bridge import _common as B
 from tests.bridge.test_fp8_rules import arrays, bits, expected, sent_tree
 from tests.bridge.test_fp8_vllm import QUANT, config, targets

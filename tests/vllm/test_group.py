@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bridge._alarm import Alarm, store_of
-from bridge._wire import SyncError, _direct_p2p, _group_ranks
-from bridge.vllm._group import all_gather_json, close_group, open_group
+from bridge.engines.group import all_gather_json, close_group, open_group
+from bridge.wire.alarm import Alarm, store_of
+from bridge.wire.session import SyncError, _direct_p2p, _group_ranks
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from bridge import Source, trainer_mesh
-from bridge.vllm._handshake import (
+from bridge.engines.hello import (
     PROTOCOL,
     EngineShape,
     Recipe,
@@ -70,7 +70,7 @@ def test_recipe_refuses_what_is_not_a_rule():
 
 
 def test_a_matching_engine_agrees_and_every_worker_receives_its_lower_bound():
-    from bridge.vllm._agree import plan_from_hellos
+    from bridge.engines.agree import plan_from_hellos
 
     src, recipe = dense_source(), Recipe.llama(C.qwen3_config())
     pm = build_param_map(src, recipe, TP2)
@@ -82,8 +82,8 @@ def test_a_matching_engine_agrees_and_every_worker_receives_its_lower_bound():
 
 
 def test_a_mismatch_is_refused_with_what_differs():
-    from bridge._wire import PlanMismatchError
-    from bridge.vllm._agree import plan_from_hellos
+    from bridge.engines.agree import plan_from_hellos
+    from bridge.wire.session import PlanMismatchError
 
     src, recipe = dense_source(), Recipe.llama(C.qwen3_config())
     targets = targets_of(build_param_map(src, recipe, TP2))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from bridge import BridgePlan, Source, trainer_mesh
-from bridge.vllm._handshake import EngineShape, Recipe, build_param_map
-from bridge.vllm.engine import CountingReceiver, _shared
+from bridge.engines.hello import EngineShape, Recipe, build_param_map
+from bridge.engines.vllm.engine import CountingReceiver, _shared
 from jreshard.nn import LlamaConfig, fsdp_spec, param_shapes
 
 

@@ -3,7 +3,7 @@
 Started by tests/vllm/test_vllm_live.py, two at a time:
 ``trainer_worker.py --rank R --jax-port P --sync-port Q --server PORT --model DIR --out DIR --versions 1,2``.
 Both start from the engine's initial weights (``initial.npz`` next to the saved model), take one training step per
-version and sync it into the engine through bridge.vllm.VLLMWeightSync. Rank 0 saves each version's
+version and sync it into the engine through bridge.engines.vllm.VLLMWeightSync. Rank 0 saves each version's
 weights (``params_v{v}.npz``) and every rank its events (``rank{R}.json``: reports, errors, plan bytes).
 Rank 0 waits for the file ``go_v{v}`` before the next version, so the test can query the engine in between.
 
@@ -66,7 +66,7 @@ def main() -> None:
     from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from bridge.vllm import Recipe, VLLMWeightSync
+    from bridge.engines.vllm import Recipe, VLLMWeightSync
     from jreshard.nn import fsdp_spec, make_optimizer, train_step
 
     jax.distributed.initialize(f"127.0.0.1:{args.jax_port}", num_processes=C.TRAINERS, process_id=args.rank,
@@ -95,7 +95,7 @@ def main() -> None:
                           port=args.sync_port, bucket_bytes=(64 << 10) if args.mode == "die" else (16 << 20),
                           timeout=args.timeout, ready_timeout=120.0)
     if args.mode == "die" and args.rank == 1:
-        from bridge.sender import Sender
+        from bridge.trainer.sender import Sender
 
         original, calls = Sender._pack, [0]
 

@@ -1,7 +1,0 @@
-"""Doctest collection of bridge.vllm: the worker-side engine module needs vLLM installed."""
-
-from __future__ import annotations
-
-import importlib.util
-
-collect_ignore = [] if importlib.util.find_spec("vllm") else ["engine.py"]

@@ -1,0 +1,268 @@
+"""A sync's alarm: a rank that gives up tells every other rank at once, through the group's store.
+
+gloo tells a rank that a peer died only if it has an operation pending with that peer. A
+rank whose pending operations are all with live ranks that already gave up (they raised,
+so they no longer take part, but their connections stay open) would hear nothing until the
+sync's deadline. So a rank whose sync fails in the transport (a dead peer, the deadline, the
+group's timeout, a post that failed) sets one key in the group's store, unique to the sync,
+and every rank checks that key while it waits for a bucket: each survivor raises within about
+``SLICE`` seconds plus a store round trip of the first failure, naming the rank that raised
+the alarm and why. A store that cannot be reached (its host died) counts as an alarm.
+
+A point-to-point wait that times out closes gloo's pair, and such works have no
+``is_completed`` before their ``wait``, so a bucket's works are waited for in a helper thread
+while the sync's thread checks the alarm every slice; a wait shorter than a slice costs no
+store round trip. Collectives (the handshake, votes, the final ack) are not cut short: one
+left running in gloo's worker thread would hold up ``destroy_process_group`` until the
+group's timeout, and keep this rank's connections open, so the ranks waiting for it would
+not fail either. A rank that gives up and rebuilds its group closes its connections, which
+fails its peers' collectives.
+
+The sync's waits live here too (``bridge.wire.session`` calls them): ``alarm_for`` gives a sync its
+alarm, ``wait_for`` waits for a collective, ``await_job`` for point-to-point works in the helper
+thread, and ``give_up`` raises the alarm on a transport failure.
+
+A group built outside torch.distributed's registry gets its store through ``register_store``
+(``bridge.engines.group.open_group`` does); a group whose store is known neither way gets no alarm:
+its waits behave as before (a survivor may wait for the deadline).
+
+Example (a one-rank group on a local store):
+  >>> import torch.distributed as dist
+  >>> from bridge.wire.alarm import Alarm
+  >>> store = dist.HashStore()
+  >>> a, b = Alarm(store, 0, 1), Alarm(store, 0, 1)  # two syncs of the same group
+  >>> a.heard() is None
+  True
+  >>> a.ring("rank 0: bucket 2/3 with peer rank 1 failed")
+  >>> a.heard()
+  'rank 0: bucket 2/3 with peer rank 1 failed'
+  >>> b.heard() is None  # the next sync's key: an earlier alarm never fires again
+  True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, TimeoutError as FutureTimeout
+from contextvars import ContextVar
+from typing import Any, NamedTuple
+
+import torch.distributed as dist
+
+from bridge.errors import SyncError
+
+__all__ = ["Alarm", "Waiter", "SLICE", "store_of", "register_store", "forget_store", "alarm_for", "await_job",
+           "give_up", "wait_for", "wait_once"]
+
+log = logging.getLogger("bridge")
+
+SLICE = 0.2  # seconds a wait blocks between two checks of the alarm
+_COUNTER = "bridge/syncs"
+_LONGEST = 500  # characters of the reason kept in the store
+
+
+# Stores of groups built outside torch.distributed's registry (bridge.engines.group.open_group).
+_OWN_STORES: dict[Any, Any] = {}
+
+
+def register_store(group: Any, store: Any) -> None:
+    """Gives a group that torch.distributed does not register (built from a ``ProcessGroup``) its store."""
+    _OWN_STORES[group] = store
+
+
+def forget_store(group: Any) -> None:
+    """Undoes ``register_store`` (when the group is closed)."""
+    _OWN_STORES.pop(group, None)
+
+
+def store_of(group: Any) -> Any:
+    """The store of ``group`` (default: the default group): one given to ``register_store``, else the one
+    torch.distributed registered, else None."""
+    if group is not None and group in _OWN_STORES:
+        return _OWN_STORES[group]
+    try:
+        c10d = dist.distributed_c10d
+        pg = group if group is not None else c10d._get_default_group()
+        return c10d._world.pg_map[pg][1]
+    except (AttributeError, KeyError, TypeError, ValueError, RuntimeError, IndexError):
+        return None
+
+
+class Alarm:
+    """The alarm of one sync of a group of ``size`` ranks, on ``store``.
+
+    Every rank of the group creates one per sync (``run_sync``, before its handshake): each
+    adds one to a counter in the store, so the ``size`` ranks of the n-th sync all derive n,
+    and the key ``bridge/alarm/<n>`` is that sync's alone.
+    """
+
+    def __init__(self, store: Any, rank: int, size: int) -> None:
+        self.store, self.rank = store, rank
+        self.key = f"bridge/alarm/{(int(store.add(_COUNTER, 1)) - 1) // size}"
+
+    def ring(self, why: str) -> None:
+        """Tells every rank of this sync that this rank gave up (best effort: the store may be gone)."""
+        try:
+            self.store.set(self.key, why[:_LONGEST])
+        except Exception as e:  # the store's host died: the others hear that instead
+            log.warning("rank %d could not raise the sync's alarm: %s", self.rank, e)
+
+    def heard(self) -> str | None:
+        """Who raised this sync's alarm and why, or None while nobody did."""
+        try:
+            if not self.store.check([self.key]):
+                return None
+            return bytes(self.store.get(self.key)).decode(errors="replace")
+        except Exception as e:  # noqa: BLE001 (any failure of the store: it is unreachable)
+            return f"the group's store is unreachable (its host may have died): {e}"
+
+
+class Waiter:
+    """One daemon thread that runs blocking waits handed to it, so the caller can check an alarm.
+
+    A wait left blocked when the caller gives up ends at its own timeout or when the group is
+    destroyed; the thread is a daemon, so it never holds up the process's exit.
+
+      >>> from bridge.wire.alarm import Waiter
+      >>> w = Waiter()
+      >>> w.submit(lambda: 6 * 7).result(timeout=5)
+      42
+      >>> w.close()
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Future, Callable[[], Any]] | None] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="bridge-wait", daemon=True).start()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fut, fn = job
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 (handed to the caller)
+                    fut.set_exception(e)
+            # Hold nothing of a finished wait: its works keep the process group alive, and a group still
+            # referenced keeps its connections open when destroyed, so its peers would not fail.
+            del job, fut, fn
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        fut: Future = Future()
+        self._jobs.put((fut, fn))
+        return fut
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._jobs.put(None)
+
+
+def wait_for(work, deadline: float, what: str, rank: int) -> None:
+    """Waits for the collective ``work`` until ``deadline`` (``time.monotonic()`` seconds), the sync's one
+    deadline; a failure raises the sync's alarm.
+
+    A collective is not abandoned on an alarm: left running in gloo's worker thread, it would hold up
+    ``destroy_process_group`` (so ``rebuild_group``) until the group's own timeout, and this rank's
+    connections would stay open, so the ranks that wait for it would not fail either.
+    """
+    try:
+        wait_once(work, deadline, what, rank)
+    except SyncError as e:
+        raise give_up(e) from e.__cause__
+
+
+def wait_once(work, deadline: float, what: str, rank: int) -> None:
+    """Waits for ``work`` until ``deadline``; a failure raises SyncError (the alarm is the caller's to raise)."""
+    left = max(deadline - time.monotonic(), 0.001)
+    try:
+        work.wait(datetime.timedelta(seconds=left))
+    except Exception as e:  # gloo reports a dead peer, a closed pair or a timeout as RuntimeError
+        raise _failure(e, deadline, left, what, rank) from e
+
+
+def _failure(e: Exception, deadline: float, left: float, what: str, rank: int) -> SyncError:
+    # Time still left means the transport failed first: the group's own (shorter) timeout, or a peer
+    # that died or closed its connections.
+    why = ("timeout" if time.monotonic() >= deadline - 0.01 else "the process group's timeout, shorter than "
+           "this wait" if "timed out" in str(e).lower() else "a peer's connection closed: it died or gave up")
+    return SyncError(f"rank {rank}: {what} failed before the sync's deadline ({left:.3g} s were left; "
+                     f"{why}): {e}. The process group is no longer usable: "
+                     "call bridge.rebuild_group(...) on every rank, then retry.")
+
+
+def await_job(job: Callable[[], None], what: str, rank: int) -> None:
+    """Runs ``job`` (point-to-point waits, which bound themselves by the deadline). With an alarm, in the
+    alarm's helper thread, checking the alarm every slice: a gloo point-to-point wait that times out
+    closes its pair, so it cannot be cut into slices."""
+    alarm = _CURRENT.get()
+    if alarm is None:
+        return job()
+    fut = alarm.waiter.submit(job)
+    try:
+        while True:
+            try:
+                return fut.result(timeout=SLICE)
+            except FutureTimeout:
+                _check_alarm(alarm, what, rank, fut.done)
+            except SyncError as e:
+                raise give_up(e) from e.__cause__
+    finally:
+        del fut  # the error's traceback holds this frame: no cycle that keeps the works (and the group) alive
+
+
+def _check_alarm(alarm: _Current, what: str, rank: int, done: Callable[[], bool]) -> None:
+    """Raises if another rank raised the alarm, unless what this rank waits for completed meanwhile (the
+    others may have finished the sync, and the store's host exited)."""
+    heard = alarm.alarm.heard()
+    if heard is not None and not done():
+        raise SyncError(f"rank {rank}: stopped waiting for {what}: another rank gave up and raised the sync's "
+                        f"alarm ({heard}). The process group is no longer usable: call bridge.rebuild_group(...) "
+                        "on every rank, then retry.")
+
+
+def give_up(e: SyncError) -> SyncError:
+    """Raises the current sync's alarm (a transport failure: this rank stops taking part); returns ``e``."""
+    alarm = _CURRENT.get()
+    if alarm is not None:
+        alarm.alarm.ring(str(e))
+    return e
+
+
+class _Current(NamedTuple):
+    """The alarm of the sync this thread runs, and the thread that waits for its point-to-point works."""
+
+    alarm: Alarm
+    waiter: Waiter
+
+
+_CURRENT: ContextVar[_Current | None] = ContextVar("bridge_alarm", default=None)
+
+
+@contextlib.contextmanager
+def alarm_for(group, rank: int, ranks: list[int]) -> Iterator[None]:
+    """Gives the sync run inside an alarm (none where the group's store is unknown); a failure that escapes
+    other than a SyncError (which rang it where it arose, if it ends this rank's part) raises it."""
+    store = store_of(group)
+    current = None
+    if store is not None:
+        try:
+            current = _Current(Alarm(store, rank, len(ranks)), Waiter())
+        except Exception as e:  # noqa: BLE001 (the sync then runs without one)
+            log.warning("rank %d: the sync runs without an alarm (the group's store failed: %s)", rank, e)
+    token = _CURRENT.set(current)
+    try:
+        yield
+    except SyncError:
+        raise
+    except BaseException as e:
+        give_up(SyncError(f"rank {rank}: {type(e).__name__}: {e}"))
+        raise
+    finally:
+        _CURRENT.reset(token)
+        if current is not None:
+            current.waiter.close()
