@@ -103,10 +103,10 @@ def test_bad_moe_config(kw, match):
 
 
 def test_tiny_moe_config_loads_and_docstrings_run():
-    from jreshard.nn import config, moe
+    from jreshard.nn import config, decoder
 
     cfg = MoeConfig.load("qwen3-moe-tiny")
     assert cfg.num_experts == 8 and cfg.qk_norm
-    for module in (config, moe):
+    for module in (config, decoder):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0

@@ -1,4 +1,7 @@
-"""Llama/Qwen3-style model configuration and parameter shapes (pure: no jax, no torch).
+"""The configs of ``jreshard.nn``'s decoder, and its parameter shapes (pure: no jax, no torch).
+
+A ``LlamaConfig`` describes the dense Llama/Qwen3 model; a ``MoeConfig`` (a subclass) the
+same decoder whose sparse layers route their MLP to experts (Qwen3-MoE).
 
 Vocabulary: a *leaf path* is the '/'-joined key path of a parameter in the flax
 ``params`` tree (``'layers_0/attn/q_proj/kernel'``); a *kernel* is a flax

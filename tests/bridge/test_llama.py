@@ -56,7 +56,7 @@ def test_logits_match_transformers_after_a_training_step(qk_norm, tied):
 def test_llama_docstring_example():
     import doctest
 
-    from jreshard.nn import llama
+    from jreshard.nn import decoder
 
-    result = doctest.testmod(llama)
+    result = doctest.testmod(decoder)
     assert result.attempted > 0 and result.failed == 0

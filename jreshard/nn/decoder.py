@@ -1,18 +1,38 @@
-"""A small flax Llama/Qwen3-style decoder: init, logits, loss and one training step.
+"""The flax decoder of ``jreshard.nn``: dense Llama/Qwen3, or Qwen3-MoE, as the config says.
 
-The maths follows Hugging Face ``transformers``' Llama (and Qwen3 with
-``qk_norm=True``): RMSNorm computed in float32, rotary embeddings on the two
-halves of each head (``rotate_half``), grouped-query attention, SiLU-gated MLP.
-Parameter leaf paths are listed by ``jreshard.nn.param_shapes``.
+One model serves both configs. Attention, norms, embedding and lm head are shared; each
+block's MLP is the SiLU-gated dense MLP, or, on a sparse layer of a ``MoeConfig``
+(``MoeConfig.is_sparse``), a routed mixture of experts. Parameter leaf paths are listed by
+``jreshard.nn.param_shapes``.
+
+The maths follows Hugging Face ``transformers``' Llama (Qwen3 with ``qk_norm=True``, and
+``Qwen3MoeForCausalLM`` for a ``MoeConfig``): RMSNorm computed in float32, rotary
+embeddings on the two halves of each head (``rotate_half``), grouped-query attention.
+An MoE MLP takes the router's logits (``[tokens, experts]``) through a float32 softmax,
+keeps each token's ``num_experts_per_tok`` largest probabilities (renormalised to sum to
+one when ``norm_topk_prob``), and sums those experts' SiLU-gated MLPs with these weights.
+Expert weights are stacked along a leading expert dim (``experts/gate_proj [E, hidden,
+moe_intermediate]``), as JAX trainers keep them so that an ``ep`` mesh axis can split the
+experts. Every expert runs on every token and the routing weights select: the same result
+as dispatching tokens to experts, at a cost only a small model can afford. A shared expert
+(DeepSeek-V3) is a dense MLP every token uses.
 
 Example:
   >>> import jax
   >>> import jax.numpy as jnp
-  >>> from jreshard.nn import LlamaConfig, init_params, logits
+  >>> from jreshard.nn import LlamaConfig, MoeConfig, init_params, logits
   >>> cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
   ...                   num_attention_heads=4, num_key_value_heads=2, head_dim=8)
   >>> params = init_params(cfg, jax.random.key(0))
   >>> logits(cfg, params, jnp.zeros((2, 5), jnp.int32)).shape
+  (2, 5, 64)
+  >>> moe = MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+  ...                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, qk_norm=True,
+  ...                 num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+  >>> params = init_params(moe, jax.random.key(0))
+  >>> params["layers_0"]["mlp"]["experts"]["gate_proj"].shape
+  (4, 32, 16)
+  >>> logits(moe, params, jnp.zeros((2, 5), jnp.int32)).shape
   (2, 5, 64)
 """
 
@@ -26,7 +46,8 @@ import jax.numpy as jnp
 
 from jreshard.nn.config import LlamaConfig, MoeConfig
 
-__all__ = ["Llama", "model", "init_params", "logits", "loss", "make_optimizer", "train_step"]
+__all__ = ["Decoder", "Block", "Mlp", "MoeMlp", "route", "model", "init_params", "logits", "loss",
+           "make_optimizer", "train_step"]
 
 
 class RMSNorm(nn.Module):
@@ -82,7 +103,7 @@ class Attention(nn.Module):
 
 
 class Mlp(nn.Module):
-    """SiLU-gated MLP of width ``features`` (the model's ``intermediate_size``, or a shared expert's)."""
+    """SiLU-gated MLP of width ``features``: a dense layer's MLP (``intermediate_size``) or a shared expert."""
 
     config: LlamaConfig
     features: int
@@ -94,16 +115,62 @@ class Mlp(nn.Module):
         return dense(self.config.hidden_size, "down_proj")(nn.silu(gate) * up)
 
 
-def _mlp(config: LlamaConfig, layer: int) -> nn.Module:
-    """Layer ``layer``'s MLP: the routed experts of a sparse ``MoeConfig`` layer, else the dense MLP."""
-    if isinstance(config, MoeConfig) and config.is_sparse(layer):
-        from jreshard.nn.moe import MoeLayer  # moe.py builds on this module's parts
+def route(router_logits: jax.Array, top_k: int, normalize: bool) -> jax.Array:
+    """Each token's weight for every expert, ``[tokens, experts]``: top-k of the softmax, zero elsewhere.
 
-        return MoeLayer(config, name="mlp")
-    return Mlp(config, config.intermediate_size, name="mlp")
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import numpy as np
+      >>> from jreshard.nn.decoder import route
+      >>> np.round(np.asarray(route(jnp.log(jnp.array([[0.1, 0.6, 0.3]])), 2, True)), 3)
+      array([[0.   , 0.667, 0.333]], dtype=float32)
+    """
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    top, index = jax.lax.top_k(probs, top_k)
+    if normalize:
+        top = top / jnp.sum(top, axis=-1, keepdims=True)
+    one_hot = jax.nn.one_hot(index, router_logits.shape[-1], dtype=jnp.float32)  # [tokens, k, experts]
+    return jnp.einsum("tk,tke->te", top, one_hot).astype(router_logits.dtype)
+
+
+class Experts(nn.Module):
+    """The stacked experts: ``x [tokens, hidden]`` and routing weights ``[tokens, experts]`` in."""
+
+    config: MoeConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, weights: jax.Array) -> jax.Array:
+        c = self.config
+        e, h, m = c.num_experts, c.hidden_size, c.moe_intermediate_size
+        init = nn.initializers.normal(0.02)
+        gate = self.param("gate_proj", init, (e, h, m), jnp.float32).astype(x.dtype)
+        up = self.param("up_proj", init, (e, h, m), jnp.float32).astype(x.dtype)
+        down = self.param("down_proj", init, (e, m, h), jnp.float32).astype(x.dtype)
+        inner = nn.silu(jnp.einsum("th,ehm->etm", x, gate)) * jnp.einsum("th,ehm->etm", x, up)
+        out = jnp.einsum("etm,emh->eth", inner, down)
+        return jnp.einsum("te,eth->th", weights, out)
+
+
+class MoeMlp(nn.Module):
+    """A sparse layer's MLP: the router, the routed experts and the optional shared expert."""
+
+    config: MoeConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        c = self.config
+        b, t, h = x.shape
+        tokens = x.reshape(b * t, h)
+        weights = route(dense(c.num_experts, "router")(tokens), c.num_experts_per_tok, c.norm_topk_prob)
+        out = Experts(c, name="experts")(tokens, weights).reshape(b, t, h)
+        if c.shared_expert_intermediate_size:
+            out = out + Mlp(c, c.shared_expert_intermediate_size, name="shared_expert")(x)
+        return out
 
 
 class Block(nn.Module):
+    """Layer ``layer`` of the decoder: attention, then the MLP the config gives this layer."""
+
     config: LlamaConfig
     layer: int
 
@@ -111,14 +178,19 @@ class Block(nn.Module):
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         c = self.config
         x = x + Attention(c, name="attn")(RMSNorm(c.rms_norm_eps, name="input_norm")(x), positions)
-        return x + _mlp(c, self.layer)(RMSNorm(c.rms_norm_eps, name="post_attention_norm")(x))
+        mlp: nn.Module
+        if isinstance(c, MoeConfig) and c.is_sparse(self.layer):
+            mlp = MoeMlp(c, name="mlp")
+        else:
+            mlp = Mlp(c, c.intermediate_size, name="mlp")
+        return x + mlp(RMSNorm(c.rms_norm_eps, name="post_attention_norm")(x))
 
 
-class Llama(nn.Module):
+class Decoder(nn.Module):
     """The decoder: token ids ``[batch, seq]`` in, logits ``[batch, seq, vocab]`` out.
 
-    With a ``MoeConfig`` (a subclass of ``LlamaConfig``) it is the Qwen3-MoE decoder of
-    ``jreshard.nn.moe``: each sparse layer's MLP is a ``MoeLayer``.
+    A ``LlamaConfig`` gives the dense Llama/Qwen3 model; a ``MoeConfig`` gives Qwen3-MoE,
+    whose sparse layers' MLPs are ``MoeMlp``.
     """
 
     config: LlamaConfig
@@ -137,11 +209,11 @@ class Llama(nn.Module):
         return dense(c.vocab_size, "lm_head")(x)
 
 
-def model(config: LlamaConfig) -> nn.Module:
+def model(config: LlamaConfig) -> Decoder:
     """The flax module for ``config`` (a ``LlamaConfig``, or a ``MoeConfig`` whose sparse layers route)."""
     if not isinstance(config, LlamaConfig):
         raise TypeError(f"config must be a jreshard.nn.LlamaConfig or MoeConfig, got {type(config).__name__}.")
-    return Llama(config)
+    return Decoder(config)
 
 
 def init_params(config: LlamaConfig, key: jax.Array) -> dict[str, Any]:
@@ -159,9 +231,9 @@ def logits(config: LlamaConfig, params: Any, tokens: jax.Array) -> jax.Array:
 def loss(config: LlamaConfig, params: Any, tokens: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy of ``tokens`` (each position predicts the next)."""
     out = logits(config, params, tokens[:, :-1]).astype(jnp.float32)
-    targets = tokens[:, 1:]
+    labels = tokens[:, 1:]
     logp = jax.nn.log_softmax(out, axis=-1)
-    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+    return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
 
 
 def make_optimizer(learning_rate: float = 1e-3) -> Any:
