@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 # Must happen before jax is first imported anywhere in the test session; this file sits at the
 # root so that `pytest jreshard/...` (doctests alone) gets the same devices as `pytest tests/...`.
@@ -30,10 +29,3 @@ def _doctests_without_module_globals(request: pytest.FixtureRequest) -> None:
     if test is not None:
         test.globs.clear()
 
-
-def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    # An alias module (`jreshard.cost` is `jreshard.fleet.cost`) puts its target in sys.modules;
-    # the target's examples are collected under the target's own path.
-    if collection_path.suffix == ".py" and "sys.modules[__name__] = " in collection_path.read_text():
-        return True
-    return None

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from jreshard.core import planner as _planner, reference
+from jreshard.core import planner as _planner
 from jreshard.core.domains import Domains
 from jreshard.core.layout import Box, Layout
+from jreshard.core.lazy import lazy_attributes
 from jreshard.core.mesh import Mesh
 from jreshard.core.planner import (
     Move,
@@ -43,7 +44,6 @@ __all__ = [
     "last_transfer_stats",
     "plan",
     "plan_layouts",
-    "reference",
     "release_transfer_buffers",
     "transfer",
 ]
@@ -55,16 +55,9 @@ _LAZY: dict[str, str] = {
     "release_transfer_buffers": "jreshard.jax_executor.transfer",
     "last_transfer_stats": "jreshard.jax_executor.transfer",
 }
-# Submodules reachable as attributes (`jreshard.cost.predict(...)`) without importing
-# them up front: `viz` needs matplotlib, `nn` flax, the rest only the planner.
-_SUBMODULES = {
-    "catalog": "jreshard.fleet.catalog",
-    "cost": "jreshard.fleet.cost",
-    "presets": "jreshard.fleet.presets",
-    "scenario": "jreshard.fleet.scenario",
-    "nn": "jreshard.nn",
-    "viz": "jreshard.viz",
-}
+# Subpackages reachable as attributes (`jreshard.viz.draw_plan(...)`) without importing
+# them up front: `viz` needs matplotlib, `nn` flax.
+_SUBPACKAGES = {"nn": "jreshard.nn", "viz": "jreshard.viz"}
 
 
 def plan(src: Any, dst: Any, *, balance: bool = True, **kwargs: Any) -> TensorPlan | Plan:
@@ -96,14 +89,4 @@ def _is_jax_like(x: Any) -> bool:
     return hasattr(x, "sharding") and hasattr(x, "shape") and not isinstance(x, Layout)
 
 
-def __getattr__(name: str) -> Any:
-    import importlib
-
-    if name in _SUBMODULES:
-        return importlib.import_module(_SUBMODULES[name])
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'jreshard' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes('jreshard', _LAZY, globals=globals(), modules=_SUBPACKAGES)

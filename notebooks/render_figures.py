@@ -37,7 +37,7 @@ def quickstart() -> Figure:
 
 def plan_a_model() -> Figure:
     """02_plan_a_model: DeepSeek-V3 sync on DGX H100, jreshard against the baselines (cost model)."""
-    from jreshard import cost, scenario
+    from jreshard.fleet import cost, scenario
 
     s = scenario.load_scenario("dsv3-dgx-h100")
     src, dst = s.layouts(experts="stacked")
@@ -57,7 +57,7 @@ def jax_to_torch() -> Figure:
     cfg = LlamaConfig.load("llama-tiny")
     source = bridge.Source.build(param_shapes(cfg), bridge.trainer_mesh((4,), "fsdp", ranks=[0], devices_per_rank=4),
                                  fsdp_spec)
-    plan = bridge.BridgePlan(source, bridge.llama_mapping(cfg, source, tp_ranks=[1, 2], fused=True),
+    plan = bridge.BridgePlan(source, bridge.llama_param_map(cfg, source, tp_ranks=[1, 2], fused=True),
                              bucket_bytes=4 << 20)
     q_job = next(name for name in plan.plan.tensors if "layers.0.self_attn.qkv_proj.weight#0" in name)
     return viz.draw_plan(plan.plan[q_job], title="flax q_proj kernel [in, out], FSDP over 4 JAX devices -> "
@@ -67,8 +67,9 @@ def jax_to_torch() -> Figure:
 def vllm_refit() -> Figure:
     """04_vllm_refit: bytes each vLLM worker receives per sync of the notebook's Qwen3 at TP2, by backend."""
     import bridge
-    from bridge.engines.hello import build_param_map, bytes_per_worker
+    from bridge.engines.hello import build_param_map
     from bridge.engines.vllm import EngineShape, Recipe
+    from bridge.engines.vllm.baselines import bytes_per_worker
     from jreshard.nn import LlamaConfig, fsdp_spec, param_shapes
 
     cfg = LlamaConfig.load("llama-tiny", qk_norm=True)

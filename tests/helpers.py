@@ -191,3 +191,36 @@ def assert_plan_ok(tp: jreshard.TensorPlan, src: LayoutCase | None = None, dst: 
     stats = tp.stats()
     assert stats.network_bytes == stats.lower_bound_bytes == expected
     assert {d: b for d, b in stats.send_bytes.items() if b} == {d: b for d, b in sent.items() if b}
+
+
+def hf_state(flat: dict[str, np.ndarray], cfg: Any, *, experts: str = "hf") -> dict[str, np.ndarray]:
+    """The full Hugging Face tensors of ``jreshard.nn``'s flax leaves (Llama, Qwen3, Qwen3-MoE): the oracle's
+    starting point, written out from the two models' conventions (flax kernels are ``[in, out]``).
+
+    ``experts``: ``"hf"`` names routed experts as transformers does (``gate_up_proj``, ``down_proj``),
+    ``"vllm"`` as vLLM's ``FusedMoE`` does (``w13_weight``, ``w2_weight``); both ``[E, 2I, H]`` and
+    ``[E, H, I]``. A tied model's ``lm_head.weight`` is the embedding (transformers keeps it in the state).
+    """
+    if experts not in ("hf", "vllm"):
+        raise ValueError(f"experts must be 'hf' or 'vllm', got {experts!r}.")
+    w13, w2 = ("w13_weight", "w2_weight") if experts == "vllm" else ("gate_up_proj", "down_proj")
+    full = {"model.embed_tokens.weight": flat["embed/embedding"], "model.norm.weight": flat["final_norm/scale"],
+            "lm_head.weight": flat["embed/embedding"] if cfg.tie_word_embeddings else flat["lm_head/kernel"].T}
+    for i in range(cfg.num_hidden_layers):
+        j, h = f"layers_{i}/", f"model.layers.{i}."
+        for n in "qkvo":
+            full[h + f"self_attn.{n}_proj.weight"] = flat[j + f"attn/{n}_proj/kernel"].T
+        for n in "qk":
+            if j + f"attn/{n}_norm/scale" in flat:
+                full[h + f"self_attn.{n}_norm.weight"] = flat[j + f"attn/{n}_norm/scale"]
+        full[h + "input_layernorm.weight"] = flat[j + "input_norm/scale"]
+        full[h + "post_attention_layernorm.weight"] = flat[j + "post_attention_norm/scale"]
+        if hasattr(cfg, "is_sparse") and cfg.is_sparse(i):
+            gate, up = flat[j + "mlp/experts/gate_proj"], flat[j + "mlp/experts/up_proj"]  # [E, H, I]
+            full[h + "mlp.gate.weight"] = flat[j + "mlp/router/kernel"].T  # [E, H]
+            full[h + f"mlp.experts.{w13}"] = np.concatenate([gate, up], axis=2).transpose(0, 2, 1)  # [E, 2I, H]
+            full[h + f"mlp.experts.{w2}"] = flat[j + "mlp/experts/down_proj"].transpose(0, 2, 1)  # [E, H, I]
+        else:
+            for n in ("gate", "up", "down"):
+                full[h + f"mlp.{n}_proj.weight"] = flat[j + f"mlp/{n}_proj/kernel"].T
+    return full

@@ -13,6 +13,7 @@ every check runs before one is needed.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import re
 
@@ -22,8 +23,8 @@ import pytest
 import bridge
 from jreshard import Box, Layout, Mesh, plan, plan_layouts
 from jreshard.core.args import check_flag, check_int, check_seconds
+from jreshard.core.degrees import InferParallel, TrainParallel, parse_degrees
 from jreshard.fleet import catalog
-from jreshard.fleet.degrees import InferParallel, TrainParallel, parse_degrees
 from jreshard.fleet.presets import stage_of_layers
 from jreshard.fleet.scenario import ScenarioError, load_scenario
 
@@ -31,7 +32,7 @@ M = Mesh(np.arange(4).reshape(2, 2), ("x", "y"))
 L = Layout((8, 8), M, ("x", "y"), "float32")
 TM = bridge.trainer_mesh((2,), "fsdp", [0], 2)
 SRC = bridge.Source({"w": Layout((8, 6), TM, ("fsdp",), "float32")})
-PM = bridge.tp_param_map(SRC, [bridge.Rule("w", "lin.weight", transpose=True, shard=0)], [1, 2])
+PM = bridge.tp_param_map(SRC, [bridge.Rule("w", "lin.weight", transpose=True, dim=0)], [1, 2])
 BP = bridge.BridgePlan(SRC, PM)
 
 
@@ -137,7 +138,8 @@ for kw, e, arg in [
     ({"rank": 7}, ValueError, "rank 7"),
 ]:
     row(f"Receiver {kw}", lambda kw=kw: recv(**dict(kw)), e, arg)
-row("Receiver plan", lambda: __import__("bridge.wire.receiver").wire.receiver.Receiver("p", {}, rank=1), TypeError, "plan")
+row("Receiver plan", lambda: importlib.import_module("bridge.wire.receiver").Receiver("p", {}, rank=1), TypeError,
+    "plan")
 row("Receiver params list", lambda: recv(params=[1, 2]), TypeError, "params")
 row("Receiver params missing", lambda: recv(params={}), ValueError, "params lacks 'lin.weight'")
 row(
@@ -293,13 +295,13 @@ row("plan_layouts dst", lambda: plan_layouts([("a", L, None)]), TypeError, "dst 
 
 # --- fleet: degrees, catalog, scenarios
 row("TrainParallel tp 0", lambda: TrainParallel(tp=0), ValueError, "TrainParallel.tp")
-row("TrainParallel pp str", lambda: TrainParallel(pp="2"), ValueError, "TrainParallel.pp")
-row("TrainParallel dp bool", lambda: TrainParallel(dp=True), ValueError, "TrainParallel.dp")
-row("InferParallel ep float", lambda: InferParallel(ep=2.0), ValueError, "InferParallel.ep")
+row("TrainParallel pp str", lambda: TrainParallel(pp="2"), TypeError, "TrainParallel.pp")
+row("TrainParallel dp bool", lambda: TrainParallel(dp=True), TypeError, "TrainParallel.dp")
+row("InferParallel ep float", lambda: InferParallel(ep=2.0), TypeError, "InferParallel.ep")
 row("InferParallel dp -1", lambda: InferParallel(dp=-1), ValueError, "InferParallel.dp")
 row("InferParallel tp 2**63", lambda: InferParallel(tp=2**63), ValueError, "InferParallel.tp")
 row("stage_of_layers pp 0", lambda: stage_of_layers(4, 0), ValueError, "pp")
-row("stage_of_layers layers float", lambda: stage_of_layers(4.0, 2), ValueError, "num_layers")
+row("stage_of_layers layers float", lambda: stage_of_layers(4.0, 2), TypeError, "num_layers")
 row("TrainParallel fsdp beyond int64", lambda: TrainParallel(fsdp=1 << 70), ValueError, "TrainParallel.fsdp")
 row("parse_degrees value", lambda: parse_degrees("tp=x", "train"), ValueError, "train degrees 'tp=x'")
 row("parse_degrees name", lambda: parse_degrees("zz=2", "infer"), ValueError, "infer degrees 'zz=2'")

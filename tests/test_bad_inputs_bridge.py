@@ -46,12 +46,12 @@ for kw, exc, pat in [
     ({"transpose": (0, 0)}, ValueError, "Rule 'w' transpose .* permutation"),
     ({"transpose": (0, 2)}, ValueError, "Rule 'w' transpose .* permutation"),
     ({"transpose": (0.0, 1)}, TypeError, r"Rule 'w' transpose\[0\]"),
-    ({"shard": -1}, ValueError, "Rule 'w' shard"),
-    ({"shard": 1.5}, TypeError, "Rule 'w' shard"),
-    ({"shard": True}, TypeError, "Rule 'w' shard"),
-    ({"shard": ""}, ValueError, "Rule 'w' shard"),
-    ({"ep_shard": -1}, ValueError, "Rule 'w' ep_shard"),
-    ({"ep_shard": 0.5}, TypeError, "Rule 'w' ep_shard"),
+    ({"dim": -1}, ValueError, "Rule 'w' dim"),
+    ({"dim": 1.5}, TypeError, "Rule 'w' dim"),
+    ({"dim": True}, TypeError, "Rule 'w' dim"),
+    ({"dim": ""}, ValueError, "Rule 'w' dim"),
+    ({"ep_dim": -1}, ValueError, "Rule 'w' ep_dim"),
+    ({"ep_dim": 0.5}, TypeError, "Rule 'w' ep_dim"),
     ({"part": -1}, ValueError, "Rule 'w' part"),
     ({"part": "a"}, TypeError, "Rule 'w' part"),
     ({"pad_to": True}, TypeError, "Rule 'w' pad_to"),
@@ -61,9 +61,9 @@ for kw, exc, pat in [
     ({"dtype": "floaty"}, TypeError, "Rule 'w' dtype"),
     ({"dtype": object}, TypeError, "Rule 'w' dtype must be a numeric dtype"),
     ({"dtype": "U4"}, TypeError, "Rule 'w' dtype must be a numeric dtype"),
-    ({"shard": 0, "heads": True}, TypeError, "Rule 'w' heads"),
-    ({"shard": 0, "heads": -2}, ValueError, "Rule 'w' heads"),
-    ({"shard": 0, "heads": 2, "replicate_heads": "yes"}, TypeError, "Rule 'w' replicate_heads"),
+    ({"dim": 0, "heads": True}, TypeError, "Rule 'w' heads"),
+    ({"dim": 0, "heads": -2}, ValueError, "Rule 'w' heads"),
+    ({"dim": 0, "heads": 2, "replicate_heads": "yes"}, TypeError, "Rule 'w' replicate_heads"),
     ({"replicate_heads": None}, TypeError, "Rule 'w' replicate_heads"),
     ({"dims": 5}, TypeError, "Rule 'w' dims"),
     ({"dims": "a b -> c"}, ValueError, "dims"),
@@ -260,12 +260,12 @@ for who, call in [("Sender.sync", lambda g: sender().sync(jax_params(), version=
 
 
 def test_numpy_ints_and_bools_pass_where_ints_and_bools_do():
-    rule = R("w", "x", shard=np.int64(0), pad_to=np.int32(2), part=np.int8(1))
-    heads = R("w", "x", shard=0, heads=np.int64(2), transpose=(np.int64(1), 0))
-    assert (rule.shard, rule.pad_to, rule.part, heads.heads, heads.transpose) == (0, 2, 1, 2, (1, 0))
-    assert all(type(v) is int for v in (rule.shard, rule.pad_to, rule.part, heads.heads))
-    pm = bridge.tp_param_map(SRC, [R("w", "x", transpose=True, shard=0)], np.array([1, 2]), strict=np.True_)
-    assert pm == bridge.tp_param_map(SRC, [R("w", "x", transpose=True, shard=0)], [1, 2])
+    rule = R("w", "x", dim=np.int64(0), pad_to=np.int32(2), part=np.int8(1))
+    heads = R("w", "x", dim=0, heads=np.int64(2), transpose=(np.int64(1), 0))
+    assert (rule.dim, rule.pad_to, rule.part, heads.heads, heads.transpose) == (0, 2, 1, 2, (1, 0))
+    assert all(type(v) is int for v in (rule.dim, rule.pad_to, rule.part, heads.heads))
+    pm = bridge.tp_param_map(SRC, [R("w", "x", transpose=True, dim=0)], np.array([1, 2]), strict=np.True_)
+    assert pm == bridge.tp_param_map(SRC, [R("w", "x", transpose=True, dim=0)], [1, 2])
     p = param(rank=np.int64(1), shape=np.array([4, 2]))
     assert p.rank == 1 and p.shape == (4, 2) and type(p.rank) is int
     assert bridge.BridgePlan(SRC, PM, bucket_bytes=np.int64(1 << 20), balance=np.False_).balance is False

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from jreshard import catalog
+from jreshard.fleet import catalog
 
 # (model, mtp, tensors, parameters in billions, tolerance in billions)
 TOTALS = [

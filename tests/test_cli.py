@@ -141,7 +141,7 @@ def test_moe_scenario_at_full_size():
     assert r["bytes_moved"] == r["lower_bound_bytes"]
     # Disjoint device ranges: each of the 8 TP8 engines receives every tp-split tensor once
     # (bfloat16); replicated tensors (norms, routers) go to all 64 devices.
-    from jreshard import catalog
+    from jreshard.fleet import catalog
 
     # The model's 4 KV heads at TP8: vLLM puts each on 2 ranks, so an engine receives the
     # KV projections twice.

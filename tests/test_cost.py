@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 import jreshard
-from jreshard import Layout, Mesh, cost, reference
-from jreshard.fleet import layer
+from jreshard import Layout, Mesh
+from jreshard.core import reference
+from jreshard.fleet import cost, layer
 from jreshard.fleet.cost import Topology, Traffic
 
 # 2 GPUs per domain, NVLink 100 GB/s, network 10 GB/s per direction.
@@ -176,8 +177,10 @@ def test_overlapped_stages_take_the_longer_one_plus_the_drain():
     c, c2 = cost.compare(src, dst, topo, hierarchical="always"), cost.compare(src, dst, topo, overlap=2)
     assert c.hierarchical.seconds == pytest.approx(t1 + t2)
     assert c2.hierarchical.seconds == pytest.approx(max(t1, t2) + t2 / 8) and c2.direct == c.direct
-    for bad in (-1, 1.5, True):
-        with pytest.raises(ValueError, match="overlap must be an int >= 0"):
+    with pytest.raises(ValueError, match="overlap must be an int >= 0"):
+        cost.predict_two_stage(tsp, topo, overlap=-1)
+    for bad in (1.5, True):
+        with pytest.raises(TypeError, match="overlap must be an int, got"):
             cost.predict_two_stage(tsp, topo, overlap=bad)
 
 
@@ -221,7 +224,7 @@ def test_old_public_names_reachable():
              "hierarchical_plan", "gather_broadcast", "flat_direct", "compare"]
     assert set(names) <= set(cost.__all__)
     for name in cost.__all__:
-        assert getattr(jreshard.cost, name) is getattr(importlib.import_module("jreshard.fleet.cost"), name)
+        assert getattr(cost, name) is getattr(importlib.import_module("jreshard.fleet.cost"), name)
 
 
 def test_stage_layouts_are_cached_per_layout():
@@ -342,9 +345,13 @@ def test_fp8_inference_split_cutting_a_block_names_the_tensor():
         fp8_layouts(infos, src, dst, Fp8Format(block=(16, 8)))
     assert parse_block("128x64") == (128, 64) and parse_block("128") == (128, 128) and parse_block([4, 2]) == (4, 2)
     assert parse_block("tensor") == (None, None) and parse_block("Channel") == (1, None)
-    for bad in ("0x128", "128x", [128], "x", [True, 4]):
+    for bad in ("0x128", "128x", [128], "x"):
         with pytest.raises(ValueError, match="fp8_block must be two positive block sizes"):
             parse_block(bad)
+    with pytest.raises(TypeError, match=r"fp8_block\[0\] must be an int, got bool"):
+        parse_block([True, 4])
+    with pytest.raises(ValueError, match=r"fp8_block\[1\] must be a positive int, got 0"):
+        parse_block([4, 0])
 
 
 def test_predict_layer_under_fp8():

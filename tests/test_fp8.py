@@ -21,7 +21,7 @@ from hypothesis import given, settings, strategies as st
 from jreshard import Layout, Mesh
 from jreshard.core.fp8 import Fp8Format, dequantize, quantize
 from jreshard.core.fp8_blocks import execute, quant_plan
-from jreshard.core.fp8_target import fp8_target, fp8_tp_target
+from jreshard.core.fp8_split import fp8_split, fp8_tp_split
 from tests.helpers import LayoutCase
 
 E4M3 = ml_dtypes.float8_e4m3fn
@@ -319,7 +319,7 @@ def test_tp_targets_follow_the_weight_split(tp, dim):
     shape, block = (64, 96), (8, 8)
     x = values(shape, seed=tp)
     q, s = ref_quantize(x, block)
-    target = fp8_tp_target(shape, tp, dim, Fp8Format(block=block), devices=range(10, 10 + tp))
+    target = fp8_tp_split(shape, tp, dim, Fp8Format(block=block), devices=range(10, 10 + tp))
     assert target.weight.dtype == "float8_e4m3fn" and target.scale.dtype == "float32"
     assert target.scale.shape == (8, 12)
     for r in range(tp):
@@ -337,9 +337,9 @@ def test_tp_targets_follow_the_weight_split(tp, dim):
 
 
 def test_tp_target_at_128_and_uneven_whole_blocks():
-    t = fp8_tp_target((2048, 7168), 16, 0)  # DeepSeek-V3 expert gate at TP16: 128 rows a rank
+    t = fp8_tp_split((2048, 7168), 16, 0)  # DeepSeek-V3 expert gate at TP16: 128 rows a rank
     assert t.scale.shape == (16, 56) and t.scale.shard_shape(5) == (1, 56)
-    t = fp8_tp_target((255, 64), 2, 0)  # shards of 128 and 127 rows: no block cut
+    t = fp8_tp_split((255, 64), 2, 0)  # shards of 128 and 127 rows: no block cut
     assert t.weight.shard_shape(1) == (127, 64) and t.scale.shard_box(1) == (slice(1, 2), slice(0, 1))
 
 
@@ -351,33 +351,33 @@ def test_tp_target_at_128_and_uneven_whole_blocks():
 ])
 def test_tp_split_cutting_a_block_is_refused(shape, tp, dim, match):
     with pytest.raises(ValueError, match=match):
-        fp8_tp_target(shape, tp, dim)
+        fp8_tp_split(shape, tp, dim)
 
 
 def test_whole_dim_scales_are_replicated_over_the_split():
     mesh = Mesh(np.arange(4).reshape(2, 2), ("dp", "tp"))
-    row = fp8_target(Layout((64, 96), mesh, (None, "tp")), Fp8Format.per_channel())
+    row = fp8_split(Layout((64, 96), mesh, (None, "tp")), Fp8Format.per_channel())
     assert row.scale.shape == (64, 1) and row.scale.spec == (None, None)  # every rank: all row scales
-    col = fp8_target(Layout((64, 96), mesh, ("tp", None)), Fp8Format.per_channel())
+    col = fp8_split(Layout((64, 96), mesh, ("tp", None)), Fp8Format.per_channel())
     assert col.scale.spec == ("tp", None) and col.scale.shard_shape(1) == (32, 1)
-    ten = fp8_target(Layout((64, 96), mesh, ("tp", None)), Fp8Format.per_tensor())
+    ten = fp8_split(Layout((64, 96), mesh, ("tp", None)), Fp8Format.per_tensor())
     assert ten.scale.shape == (1, 1) and ten.scale.spec == (None, None)
-    stacked = fp8_target(Layout((8, 64, 96), mesh, ("dp", "tp", None)), Fp8Format(block=(16, 16)))
+    stacked = fp8_split(Layout((8, 64, 96), mesh, ("dp", "tp", None)), Fp8Format(block=(16, 16)))
     assert stacked.scale.shape == (8, 4, 6) and stacked.scale.spec == ("dp", "tp", None)
 
 
 def test_target_errors():
     with pytest.raises(TypeError, match="layout must be a jreshard.Layout"):
-        fp8_target((64, 96))
+        fp8_split((64, 96))
     with pytest.raises(ValueError, match="tp must be a positive int"):
-        fp8_tp_target((64, 96), 0, 0)
+        fp8_tp_split((64, 96), 0, 0)
     with pytest.raises(ValueError, match=r"dim must be None or a dim of shape \(64, 96\)"):
-        fp8_tp_target((64, 96), 2, 2)
+        fp8_tp_split((64, 96), 2, 2)
     with pytest.raises(ValueError, match="devices must list tp=2 ranks"):
-        fp8_tp_target((64, 96), 2, 0, devices=[0])
+        fp8_tp_split((64, 96), 2, 0, devices=[0])
     mesh = Mesh([0, 1, 2], ("fsdp",))
     with pytest.raises(ValueError, match=r"layout splits dim 0 \(size 64\) into shards of 22"):
-        fp8_target(Layout((64, 96), mesh, ("fsdp",)), Fp8Format(block=(8, 8)))
+        fp8_split(Layout((64, 96), mesh, ("fsdp",)), Fp8Format(block=(8, 8)))
 
 
 # --- a sweep over layouts ----------------------------------------------------------------------------
@@ -404,7 +404,7 @@ def test_sweep_sharded_equals_full(args):
     assert qp.pairs().nbytes == 4 * len(ex.src)
 
 
-@pytest.mark.parametrize("module", ["jreshard.core.fp8", "jreshard.core.fp8_blocks", "jreshard.core.fp8_target"])
+@pytest.mark.parametrize("module", ["jreshard.core.fp8", "jreshard.core.fp8_blocks", "jreshard.core.fp8_split"])
 def test_docstring_examples(module):
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert result.attempted and not result.failed

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import jreshard
-from jreshard import Mesh, catalog, presets
+from jreshard import Mesh
+from jreshard.fleet import catalog, presets
 from jreshard.fleet.presets import InferParallel, TrainParallel
 from jreshard.nn import LlamaConfig, MoeConfig, fsdp_spec, param_shapes
 from tests.helpers import assert_plan_ok

@@ -128,7 +128,7 @@ def test_pytree_plan_structures():
     assert "Plan for 3 tensors" in str(p)
 
 
-def test_plan_cache_and_pieces_reuse():
+def test_plan_cache_and_overlaps_reuse():
     jreshard.clear_cache()
     src = Layout((8, 4), M1, ("x",))
     dst = Layout((8, 4), M2B, (None, "tp"))
@@ -136,10 +136,10 @@ def test_plan_cache_and_pieces_reuse():
     tree_src = {f"l{i}": src for i in range(10)}
     tree_dst = {f"l{i}": dst for i in range(10)}
     assert plan(tree_src, tree_dst) is plan(tree_src, tree_dst)
-    from jreshard.core.pieces import pieces
+    from jreshard.core.overlaps import overlaps
 
-    info = pieces.cache_info()
-    assert info.currsize == 1  # ten repeated layers share one piece template
+    info = overlaps.cache_info()
+    assert info.currsize == 1  # ten repeated layers share one set of overlaps
 
 
 def test_dtype_counts_bytes_and_cast_counts_destination_bytes():

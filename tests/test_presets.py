@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jreshard
-from jreshard import catalog, presets
+from jreshard.fleet import catalog, presets
 from jreshard.fleet.presets import InferParallel, TrainParallel
 from tests.helpers import assert_plan_ok
 
@@ -149,11 +149,11 @@ def test_heads_agree_with_the_bridge_rule():
 
     # The bridge's Rule for 4 KV heads at TP8 reads the same rows as the preset's layout.
     leaf = Layout((128, 256), trainer_mesh((1,), "x", [0], 1), (), "float32")
-    rule = bridge.Rule("k", "k_proj.weight", shard=0, heads=4, replicate_heads=True)
-    mapping = bridge.tp_mapping(bridge.Source({"k": leaf}), [rule], list(range(8)))
+    rule = bridge.Rule("k", "k_proj.weight", dim=0, heads=4, replicate_heads=True)
+    mapping = bridge.tp_param_map(bridge.Source({"k": leaf}), [rule], list(range(8)))
     k = presets.infer_layouts(TINY, InferParallel(tp=8), range(8))["model.layers.0.self_attn.k_proj.weight"]
     for rank in range(8):
-        (target,) = [t for t in mapping.targets if t.rank == rank]
+        (target,) = [t for t in mapping.params if t.rank == rank]
         region = tuple((b.start, b.stop) if isinstance(b, slice) else tuple(b) for b in target.regions[0].box)
         assert region == box(k, rank), rank
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from jreshard import scenario
+from jreshard.fleet import scenario
 from jreshard.fleet.scenario import ScenarioError, load_scenario
 
 
@@ -66,7 +66,7 @@ ERRORS = [
     ("missing train", _without("train"), "field 'train' is missing"),
     ("train not an object", {**BASE, "train": 8}, "field 'train' must be an object"),
     ("unknown degree", {**BASE, "train": {"gpus": 8, "tpp": 2}}, "field 'train.tpp' is not known"),
-    ("bad degree", {**BASE, "train": {"gpus": 8, "tp": "2"}}, "field 'train.tp' must be a positive int"),
+    ("bad degree", {**BASE, "train": {"gpus": 8, "tp": "2"}}, "field 'train.tp' must be an int, got str"),
     ("zero gpus", {**BASE, "infer": {"gpus": 0, "tp": 1}}, "field 'infer.gpus'"),
     ("degrees do not fit", {**BASE, "train": {"gpus": 8, "tp": 2, "pp": 2}}, "field 'train'.*multiply"),
     ("infer does not fit", {**BASE, "infer": {"gpus": 8, "tp": 4}}, "field 'infer'.*tp\\*dp"),

@@ -483,10 +483,11 @@ ERRORS = [
     ("bad dtype", ({"a": X}, T), {"dtype": "float33"}, TypeError, r"dtype at 'a' must be a NumPy or ml_dtypes dtype"),
     ("dtype of another structure", ({"a": X, "b": X}, T), {"dtype": {"z": "bfloat16"}}, ValueError,
      r"dtype must be a dtype or a pytree prefix of params: it has no entry for params leaf 'a'"),
-    ("donate not bool", ({"a": X}, T), {"donate": 1}, TypeError, r"donate must be True or False, got 1"),
+    ("donate not bool", ({"a": X}, T), {"donate": 1}, TypeError, r"donate must be True or False, got int 1"),
     ("unknown transport", ({"a": X}, T), {"transport": "rdma"}, ValueError, r"transport must be one of"),
     ("cap not int", ({"a": X}, T), {"max_bytes_in_flight": 1.5}, TypeError, r"max_bytes_in_flight must be an int"),
-    ("cap too small", ({"a": X}, T), {"max_bytes_in_flight": 0}, ValueError, r"max_bytes_in_flight must be at least"),
+    ("cap too small", ({"a": X}, T), {"max_bytes_in_flight": 0}, ValueError,
+     r"max_bytes_in_flight must be an int >= 16"),
     ("plan of wrong kind", ({"a": X}, T), {"plan": "p"}, TypeError, r"plan must be a jreshard.Plan or TensorPlan"),
     ("empty params", ({}, T), {}, ValueError, r"params is an empty pytree"),
 ]

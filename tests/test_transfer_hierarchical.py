@@ -107,6 +107,8 @@ def test_hierarchical_transfer_is_exact_and_counts_each_byte_once_per_domain(cas
         assert stats.cross_domain_bytes == _lower_bound(src, dst, domains, itemsize)
     # The cost model and the executors agree on the bytes of every link.
     assert stats.link_bytes == _plan_link_bytes(tsp)
+    assert sum(stats.transport_bytes.values()) == stats.sent_bytes and stats.received_bytes == 0
+    assert len(stats.transports) == (1 if stats.delivery == "direct" else 2)
     topo = cost.Topology(1, nvlink_GBps=100, network_GBps=10, latency_us=0, device_domains=domains)
     predicted = cost.predict_two_stage(tsp, topo)
     assert predicted.network_bytes == stats.cross_domain_bytes
@@ -155,8 +157,8 @@ def test_progress_bar_counts_the_bytes_sent(capsys, monkeypatch):
             pass
 
     bar, totals = Bar(), []
-    monkeypatch.setattr(transfer_module, "_progress_bar",
-                        lambda on, total: totals.append(total) or (bar if on else None))
+    monkeypatch.setattr(transfer_module, "progress_bar",
+                        lambda on, total, desc: totals.append(total) or (bar if on else None))
     jreshard.transfer(_params(src), dst, hierarchical="always", domains=domains, progress=True)
     assert bar.n == totals[0] == sent  # both stages' sends, as they happened
 

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any, cast
 
 from jreshard.core.planner import Plan, PlanStats, clear_cache, plan
+from jreshard.core.progress import progress_bar, show_progress
 from jreshard.fleet import catalog, cost
 from jreshard.fleet.fp8 import AmaxSummary
 from jreshard.fleet.layer import format_layer, predict_layer
@@ -20,7 +21,9 @@ from jreshard.fleet.scenario import Scenario, ScenarioError, load_scenario
 
 __all__ = ["add_plan_parser", "run_plan", "plan_report", "format_report", "LABELS"]
 
-_PROGRESS_MIN_TENSORS = 5000  # below this planning takes well under a second
+# With --progress auto, models of more tensors than this show a bar on a terminal (below it
+# planning takes well under a second); the policy is jreshard.core.progress's, as for transfer.
+_PROGRESS_TENSORS = 5000
 
 
 def add_plan_parser(sub: Any) -> None:
@@ -97,17 +100,10 @@ def _scenario_from_args(args: argparse.Namespace) -> Scenario:
 
 
 class _Steps:
-    """A step progress bar on stderr (tqdm when installed), or nothing."""
+    """A bar of ``total`` steps on stderr (``jreshard.core.progress.progress_bar``), or nothing."""
 
     def __init__(self, enabled: bool, total: int) -> None:
-        self.bar = None
-        if enabled:
-            try:
-                from tqdm import tqdm
-
-                self.bar = tqdm(total=total, file=sys.stderr, leave=False, unit="step")
-            except ImportError:
-                self.bar = None
+        self.bar = progress_bar(enabled, total, "jreshard plan", unit="step")
 
     @contextlib.contextmanager
     def step(self, what: str) -> Iterator[None]:
@@ -118,11 +114,21 @@ class _Steps:
             self.bar.update(1)
 
     def wrap(self, items: Any) -> Any:
-        if self.bar is None:
+        """``items`` counted on a bar of their own while they are consumed."""
+        items = list(items)
+        bar = progress_bar(self.bar is not None, len(items), "hierarchical plan", unit="tensor")
+        if bar is None:
             return items
-        from tqdm import tqdm
 
-        return tqdm(items, file=sys.stderr, leave=False, desc="hierarchical plan", unit="tensor")
+        def counted() -> Iterator[Any]:
+            try:
+                for item in items:
+                    yield item
+                    bar.update(1)
+            finally:
+                bar.close()
+
+        return counted()
 
     def close(self) -> None:
         if self.bar is not None:
@@ -291,9 +297,9 @@ def run_plan(args: argparse.Namespace) -> int:
         if args.layer is not None:
             print(_run_layer(s, args))
             return 0
-        progress = args.progress == "on" or (
-            args.progress == "auto" and sys.stderr.isatty()
-            and len(catalog.tensors(s.model, experts=args.experts)) >= _PROGRESS_MIN_TENSORS)
+        enabled = {"on": True, "off": False, "auto": None}[args.progress]
+        tensors = len(catalog.tensors(s.model, experts=args.experts)) if enabled is None else 0
+        progress = show_progress(enabled, tensors, threshold=_PROGRESS_TENSORS)
         report = plan_report(s, experts=args.experts, hierarchical=args.hierarchical, progress=progress)
     except (ScenarioError, ValueError, TypeError) as exc:
         print(f"jreshard plan: error: {exc}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""Balancing: choose, among the replicas holding each piece, the sender (docs/glossary.md).
+"""Balancing: choose, among the replicas holding each overlap, the sender (docs/glossary.md).
 
 Greedy longest-processing-time within each class of rows that share their set of
 candidate senders (classes in order of total bytes), then a refinement that moves
@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jreshard.core.pieces import Pieces
+from jreshard.core.overlaps import Overlaps
 
 __all__ = ["Choice", "Split", "balance_senders"]
 
@@ -21,7 +21,7 @@ class Choice(NamedTuple):
     """The rows of one group whose sender may be any of several replicas.
 
     ``table[cls[r]]`` lists row r's candidate senders (device ids); ``rows`` index the
-    group's tiled [tensors x pieces] rows.
+    group's tiled [tensors x overlaps] rows.
     """
 
     group: int
@@ -30,7 +30,7 @@ class Choice(NamedTuple):
     cls: np.ndarray  # [N] candidate set of each row
     nbytes: np.ndarray  # [N]
     receivers: np.ndarray  # [N]
-    pieces: Pieces  # the group's pieces (row % M is a piece)
+    overlaps: Overlaps  # the group's overlaps (row % M is an overlap)
 
 
 class Split(NamedTuple):
@@ -152,9 +152,9 @@ def _greedy(rows: _Rows, classes: np.ndarray, receivers: np.ndarray, load: np.nd
             # to the least loaded member, and so on.
             for start in range(0, len(mine), R):
                 chunk = mine[start:start + R]
-                targets = members[np.argsort(load[members], kind="stable")[: len(chunk)]]
-                chosen[chunk] = targets
-                load[targets] += nbytes[chunk]
+                senders = members[np.argsort(load[members], kind="stable")[: len(chunk)]]
+                chosen[chunk] = senders
+                load[senders] += nbytes[chunk]
 
 
 def _water_fill(mine: np.ndarray, members: np.ndarray, nbytes: np.ndarray, chosen: np.ndarray,
@@ -234,8 +234,8 @@ def _refine(choices: list[Choice], rows: _Rows, classes: np.ndarray, load: np.nd
             lo, hi = boxes[r]
         else:
             c = choices[int(rows.block[r])]
-            m = int(c.rows[rows.brow[r]]) % len(c.pieces.dst_pos)
-            lo, hi = c.pieces.lo[m], c.pieces.hi[m]
+            m = int(c.rows[rows.brow[r]]) % len(c.overlaps.dst_pos)
+            lo, hi = c.overlaps.lo[m], c.overlaps.hi[m]
         ext = hi - lo
         if not len(ext):
             break

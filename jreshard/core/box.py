@@ -9,19 +9,18 @@ from __future__ import annotations
 
 import itertools
 import math
-import numbers
 import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
+
+from jreshard.core.args import INT64_MAX, check_int
 
 __all__ = ["Box", "split_box"]
 
 
 def _index(value: Any, what: str) -> int:
     """``value`` as a Python int (NumPy integers included), or TypeError naming ``what``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}.")
-    return int(value)
+    return check_int(what, value, minimum=-INT64_MAX - 1)
 
 
 class Box(tuple):

@@ -26,7 +26,7 @@ def check_tensor_plan(tp: TensorPlan) -> None:
     counts = {d: np.zeros(box.shape, dtype=np.int32) for d, box in dst_boxes.items()}
     for m in tp.moves:
         if m.dst not in counts:
-            raise PlanError(f"{m!r} targets device {m.dst}, which is not in the destination mesh")
+            raise PlanError(f"{m!r} sends to device {m.dst}, which is not in the destination mesh")
         if m.src not in src_boxes:
             raise PlanError(f"{m!r} reads from device {m.src}, which is not in the source mesh")
         if m.size == 0:

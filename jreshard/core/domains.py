@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import numbers
 from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
+
+from jreshard.core.args import check_int
 
 __all__ = ["Domains"]
 
@@ -56,11 +57,7 @@ class Domains:
     @classmethod
     def contiguous(cls, n: Any) -> Domains:
         """Device ``d`` in domain ``d // n``: blocks of ``n`` consecutive ids."""
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
-            raise TypeError(f"n (devices per domain) must be a positive int, got {n!r}.")
-        if n < 1:
-            raise ValueError(f"n (devices per domain) must be at least 1, got {n}.")
-        return cls(block=int(n))
+        return cls(block=check_int("n (devices per domain)", n, minimum=1))
 
     @classmethod
     def from_groups(cls, groups: Any) -> Domains:
@@ -76,9 +73,8 @@ class Domains:
                                 "pass for example [[0, 1, 2, 3], [4, 5, 6, 7]].")
             ids = []
             for d in group:
-                if isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 0:
-                    raise TypeError(f"groups[{k}] must hold non-negative int device ids, got {d!r}.")
-                if int(d) in seen:
+                d = check_int(f"groups[{k}] device id", d)
+                if d in seen:
                     raise ValueError(f"device {int(d)} is in groups[{seen[int(d)]}] and groups[{k}]; "
                                      "each device lies in one domain.")
                 seen[int(d)] = k
@@ -97,14 +93,11 @@ class Domains:
 
     def domain(self, device: int) -> int:
         """The domain of one device id."""
-        if isinstance(device, bool) or not isinstance(device, numbers.Integral) or device < 0:
-            raise TypeError(f"device must be a non-negative int device id, got {device!r}.")
-        return int(self.of([int(device)])[0])
+        return int(self.of([check_int("device", device)])[0])
 
     def members(self, domain: int) -> tuple[int, ...]:
         """The device ids of one domain, ascending."""
-        if isinstance(domain, bool) or not isinstance(domain, numbers.Integral) or domain < 0:
-            raise TypeError(f"domain must be a non-negative int domain id, got {domain!r}.")
+        domain = check_int("domain", domain)
         if self.block is not None:
             return tuple(range(int(domain) * self.block, (int(domain) + 1) * self.block))
         if domain >= len(self.groups):

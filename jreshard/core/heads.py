@@ -24,7 +24,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import numbers
+
+from jreshard.core.args import INT64_MAX, check_int
 
 __all__ = ["HeadSplit", "split_heads", "head_range"]
 
@@ -58,8 +59,7 @@ class HeadSplit:
 
     def rows(self, rank: int) -> tuple[int, int]:
         """The half-open row range ``[lo, hi)`` that TP rank ``rank`` holds."""
-        if isinstance(rank, bool) or not isinstance(rank, numbers.Integral):
-            raise TypeError(f"rank must be an int, got {type(rank).__name__}.")
+        rank = check_int("rank", rank, minimum=-INT64_MAX - 1)
         if not 0 <= rank < self.tp:
             raise ValueError(f"rank {rank} is not a TP rank of tp={self.tp}; use 0 <= rank < {self.tp}.")
         lo = (int(rank) // self.replicas) * self.local_size
@@ -68,14 +68,6 @@ class HeadSplit:
     def ranges(self) -> tuple[tuple[int, int], ...]:
         """Every TP rank's row range, in rank order."""
         return tuple(self.rows(r) for r in range(self.tp))
-
-
-def _positive(name: str, v: object) -> int:
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}.")
-    if v < 1:
-        raise ValueError(f"{name} must be a positive int, got {v!r}.")
-    return int(v)
 
 
 def split_heads(num_heads: int, head_dim: int, tp: int, *, replicate: bool = False,
@@ -102,9 +94,9 @@ def split_heads(num_heads: int, head_dim: int, tp: int, *, replicate: bool = Fal
       Traceback (most recent call last):
       ValueError: attention: 16 tensor-parallel ranks for 40 heads: a head would be cut; use a TP degree dividing 40.
     """
-    num_heads = _positive("num_heads", num_heads)
-    head_dim = _positive("head_dim", head_dim)
-    tp = _positive("tp", tp)
+    num_heads = check_int("num_heads", num_heads, minimum=1)
+    head_dim = check_int("head_dim", head_dim, minimum=1)
+    tp = check_int("tp", tp, minimum=1)
     if tp <= num_heads:
         if num_heads % tp:
             raise ValueError(f"{what}: {tp} tensor-parallel ranks for {num_heads} heads: a head would be cut; "

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -40,8 +40,26 @@ from jreshard.core.layout import Layout
 from jreshard.core.mesh import Mesh
 from jreshard.core.planner import Plan, plan_layouts
 
-__all__ = ["TwoStagePlan", "StagePart", "hierarchical_plan", "stage_parts", "has_domain_replicas",
-           "cross_domain_bytes", "check_pair"]
+__all__ = ["HIERARCHICAL", "TwoStagePlan", "StagePart", "StagePair", "hierarchical_plan", "stage_parts",
+           "split_stages", "has_domain_replicas", "cross_domain_bytes", "check_pair", "check_hierarchical"]
+
+# The delivery choices every executor takes (``jreshard.transfer``, ``bridge.BridgePlan``).
+HIERARCHICAL = ("auto", "always", "never")
+
+
+def check_hierarchical(hierarchical: Any) -> str:
+    """``hierarchical`` checked: one of ``HIERARCHICAL``.
+
+    Example:
+      >>> from jreshard.core.hierarchical import check_hierarchical
+      >>> check_hierarchical("sometimes")
+      Traceback (most recent call last):
+      ...
+      ValueError: hierarchical must be 'auto', 'always' or 'never', got 'sometimes'.
+    """
+    if not isinstance(hierarchical, str) or hierarchical not in HIERARCHICAL:
+        raise ValueError(f"hierarchical must be 'auto', 'always' or 'never', got {hierarchical!r}.")
+    return hierarchical
 
 
 def check_pair(src: Any, dst: Any) -> None:
@@ -91,7 +109,7 @@ class StagePart(NamedTuple):
 
     part: str  # 'direct' or 'domain<d>'
     stage1: Layout
-    target: Layout | None  # the stage-2 destination; None when stage 1 delivers it whole
+    final: Layout | None  # the stage-2 destination; None when stage 1 delivers it whole
 
 
 class _Group(NamedTuple):
@@ -171,16 +189,53 @@ def stage_parts(dst: Layout, domains: Domains) -> tuple[StagePart, ...]:
         return (StagePart("direct", dst, None),)
     out = []
     for part, mesh, rep in groups:
-        target = Layout(dst.shape, mesh, dst.dim_axes, dst.dtype)
+        final = Layout(dst.shape, mesh, dst.dim_axes, dst.dtype)
         if rep is None:
-            out.append(StagePart(part, target, None))
+            out.append(StagePart(part, final, None))
         elif not dst.shape:
             # A scalar cannot be sliced: the first replica of the domain gets it whole.
             first = Mesh(mesh.devices[:1], mesh.axis_names)
-            out.append(StagePart(part, Layout(dst.shape, first, dst.dim_axes, dst.dtype), target))
+            out.append(StagePart(part, Layout(dst.shape, first, dst.dim_axes, dst.dtype), final))
         else:
-            out.append(StagePart(part, Layout(dst.shape, mesh, _split_dim_axes(dst, rep), dst.dtype), target))
+            out.append(StagePart(part, Layout(dst.shape, mesh, _split_dim_axes(dst, rep), dst.dtype), final))
     return tuple(out)
+
+
+class StagePair(NamedTuple):
+    """One Layout pair of a stage: ``pairs[tensor]``'s part ``name`` (``'<name>@<part>'``)."""
+
+    tensor: int  # the position of the tensor in the pairs given to ``split_stages``
+    name: str
+    src: Layout
+    dst: Layout
+
+
+def split_stages(pairs: Sequence[tuple[str, Layout, Layout]],
+                 domains: Domains) -> tuple[list[StagePair], list[StagePair]]:
+    """The Layout pairs of both stages of hierarchical delivery, named ``'<name>@<part>'`` (``stage_parts``).
+
+    Stage 1 takes each tensor from its source to its stage-1 layout; stage 2 from there
+    (devices of the destination) to the replicas of each domain. Both executors plan these.
+
+    Example:
+      >>> from jreshard import Layout, Mesh
+      >>> from jreshard.core.domains import Domains
+      >>> from jreshard.core.hierarchical import split_stages
+      >>> src = Layout((8,), Mesh([0], "x"), (), "uint8")
+      >>> dst = Layout((8,), Mesh([2, 3], "dp"), (), "uint8")
+      >>> s1, s2 = split_stages([("w", src, dst)], Domains.from_groups([[0], [2, 3]]))
+      >>> [(p.name, p.dst.shard_box(3)) for p in s1], [p.name for p in s2]
+      ([('w@domain1', (slice(4, 8, None),))], ['w@domain1'])
+    """
+    _check_domains(domains)
+    stage1: list[StagePair] = []
+    stage2: list[StagePair] = []
+    for i, (name, src, dst) in enumerate(pairs):
+        for part, l1, final in stage_parts(dst, domains):
+            stage1.append(StagePair(i, f"{name}@{part}", src, l1))
+            if final is not None:
+                stage2.append(StagePair(i, f"{name}@{part}", l1, final))
+    return stage1, stage2
 
 
 def has_domain_replicas(dst: Mapping[str, Layout], domains: Domains) -> bool:
@@ -201,12 +256,7 @@ def hierarchical_plan(src: Mapping[str, Layout], dst: Mapping[str, Layout], doma
       progress: optional callable wrapping an iterable (a progress bar).
     """
     check_pair(src, dst)
-    _check_domains(domains)
-    stage1, stage2 = [], []
     names = sorted(src)
-    for name in (progress(names) if progress else names):
-        for part, l1, target in stage_parts(dst[name], domains):
-            stage1.append((f"{name}@{part}", src[name], l1))
-            if target is not None:
-                stage2.append((f"{name}@{part}", l1, target))
-    return TwoStagePlan(plan_layouts(stage1), plan_layouts(stage2) if stage2 else None, tuple(names), domains)
+    stage1, stage2 = split_stages([(n, src[n], dst[n]) for n in (progress(names) if progress else names)], domains)
+    return TwoStagePlan(plan_layouts([p[1:] for p in stage1]),
+                        plan_layouts([p[1:] for p in stage2]) if stage2 else None, tuple(names), domains)

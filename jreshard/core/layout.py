@@ -104,7 +104,7 @@ def _check_nbytes(shape: tuple[int, ...], itemsize: int) -> None:
 class _Grid:
     """How a layout cuts a tensor, independent of which ids the devices have.
 
-    ``parts[d]`` shards dim d into ``chunk[d]``-sized pieces; ``groups`` lists the mesh positions holding
+    ``parts[d]`` shards dim d into ``chunk[d]``-sized chunks; ``groups`` lists the mesh positions holding
     each distinct shard (its replicas), in flat shard order.
     """
 
@@ -148,7 +148,7 @@ def _grid(shape: tuple[int, ...], mesh_shape: tuple[int, ...], axis_names: tuple
 
 @dataclasses.dataclass(frozen=True, slots=True, init=False, eq=False)
 class Layout:
-    """Where the pieces of one global tensor live: a shape, a Mesh and a partition spec.
+    """Where the shards of one global tensor live: a shape, a Mesh and a partition spec.
 
     The spec has ``jax.sharding.PartitionSpec`` meaning: one entry per leading dim,
     each ``None``, an axis name or a tuple of axis names (major to minor); mesh axes
@@ -231,8 +231,6 @@ class Layout:
     @property
     def ndim(self) -> int:
         return len(self.shape)
-
-    rank = ndim  # the old name; "rank" is a torch process (docs/glossary.md)
 
     @property
     def size(self) -> int:

@@ -1,7 +1,7 @@
 """Planning leaves in groups: candidates per mesh pair, balanced senders, sorted rows.
 
-Leaves that share a shape and a pair of grids form a group with one set of pieces
-(``core/pieces.py``). Within a group, rows of tensors with the same pair of meshes
+Leaves that share a shape and a pair of grids form a group with one set of overlaps
+(``core/overlaps.py``). Within a group, rows of tensors with the same pair of meshes
 differ only in the tensor index, so the mesh-dependent work runs once per pair.
 """
 
@@ -16,7 +16,7 @@ import numpy as np
 from jreshard.core.balance import Choice, Split, balance_senders
 from jreshard.core.layout import Layout, _Grid, _grid
 from jreshard.core.mesh import Mesh
-from jreshard.core.pieces import GridKey, Pieces, grid_key, pieces
+from jreshard.core.overlaps import GridKey, Overlaps, grid_key, overlaps
 from jreshard.core.rows import IN_ORDER, ArrayRows, GroupRows, LeafRange, PairRows, pair_order, presorted_rows
 
 __all__ = ["Leaf", "plan_leaves"]
@@ -38,16 +38,16 @@ class GroupKey(NamedTuple):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Stage:
-    """A group after step 2: per mesh pair c, each piece's receiver and first sender."""
+    """A group after step 2: per mesh pair c, each overlap's receiver and first sender."""
 
     members: list[int]  # leaf indices
-    pieces: Pieces
+    overlaps: Overlaps
     src_ids: np.ndarray  # [C, S] source device ids per mesh pair
     itemsize: np.ndarray  # [T]
     inv: np.ndarray  # [T] mesh pair of each tensor
-    pdst_c: np.ndarray  # [C, M] receiver per pair and piece
-    psrc_c: np.ndarray  # [C, M] sender per pair and piece (local copy, or the first replica)
-    local_c: np.ndarray  # [C, M] whether the receiver holds the piece already
+    pdst_c: np.ndarray  # [C, M] receiver per pair and overlap
+    psrc_c: np.ndarray  # [C, M] sender per pair and overlap (local copy, or the first replica)
+    local_c: np.ndarray  # [C, M] whether the receiver holds the overlap already
     lower: dict[int, int]
     naive: dict[int, int]
 
@@ -154,7 +154,7 @@ def _lacking(sgrid: _Grid, dgrid: _Grid, dst_src_pos: np.ndarray, ndim: int) -> 
 
 def _stage(key: GroupKey, members: list[int], leaves: list[Leaf]) -> _Stage:
     """Step 2 for one group: receivers, local copies and first senders per mesh pair."""
-    p = pieces(*key)
+    p = overlaps(*key)
     sgrid, dgrid = _grid(key.shape, *key.src), _grid(key.shape, *key.dst)
     T = len(members)
     src_ids, dst_ids, inv = _combos(members, leaves)  # [C, S], [C, D], [T]
@@ -178,7 +178,7 @@ def _stage(key: GroupKey, members: list[int], leaves: list[Leaf]) -> _Stage:
 
 def _choice(gi: int, stage: _Stage, key: GroupKey) -> Choice | None:
     """The rows of a group whose sender is free among replicas (``None`` if senders are fixed)."""
-    p, inv = stage.pieces, stage.inv
+    p, inv = stage.overlaps, stage.inv
     groups = _grid(key.shape, *key.src).groups  # [num src shards, R]
     M, R = len(p.dst_pos), groups.shape[1]
     if R == 1 or not M:
@@ -200,12 +200,12 @@ def _choice(gi: int, stage: _Stage, key: GroupKey) -> Choice | None:
 
 def _add_fixed_load(stage: _Stage, fixed_load: dict[int, float]) -> None:
     """Adds the bytes each sender of a fixed-sender group sends, per mesh pair."""
-    if not len(stage.pieces.dst_pos):
+    if not len(stage.overlaps.dst_pos):
         return
     weight = np.bincount(stage.inv, weights=stage.itemsize, minlength=len(stage.pdst_c))
     send = ~stage.local_c
     for c in np.nonzero(weight)[0]:
-        ids, b = stage.psrc_c[c][send[c]], stage.pieces.vol[send[c]] * weight[c]
+        ids, b = stage.psrc_c[c][send[c]], stage.overlaps.vol[send[c]] * weight[c]
         uniq, inv = np.unique(ids, return_inverse=True)
         totals = np.bincount(inv.ravel(), weights=b, minlength=len(uniq))
         for sid, total in zip(uniq.tolist(), totals.tolist(), strict=True):
@@ -226,14 +226,14 @@ class _Tiled(NamedTuple):
 
 def _assemble(stage: _Stage, chosen: _Chosen | None, splits: list[Split] | None) -> tuple[GroupRows, np.ndarray]:
     """A group's rows sorted by (tensor, dst, src, box), and each tensor's row bounds [T + 1]."""
-    p, T, M = stage.pieces, len(stage.members), len(stage.pieces.dst_pos)
+    p, T, M = stage.overlaps, len(stage.members), len(stage.overlaps.dst_pos)
     if chosen is None and splits is None and M:
         # Senders fixed by the mesh pair: keep one sorted row set per pair.
         perms = pair_order(p, stage.pdst_c, stage.psrc_c)
         take = (lambda x: x) if perms is None else (lambda x: np.take_along_axis(x, perms, axis=1))
         ps, pd = take(stage.psrc_c), take(stage.pdst_c)
         _frozen(ps, pd, stage.inv, stage.itemsize)
-        pair_rows = PairRows(stage.lower, stage.naive, pieces=p, perm=perms, psrc=ps, pdst=pd,
+        pair_rows = PairRows(stage.lower, stage.naive, overlaps=p, perm=perms, psrc=ps, pdst=pd,
                              inv=stage.inv, itemsize=stage.itemsize)
         return pair_rows, np.arange(T + 1) * M
     # Senders chosen per row: tile the pairs' rows over the tensors [T*M].
@@ -248,7 +248,7 @@ def _assemble(stage: _Stage, chosen: _Chosen | None, splits: list[Split] | None)
 
 
 def _presorted_group(stage: _Stage, tiled: _Tiled, order: np.ndarray) -> ArrayRows:
-    p, T, M, itemsize = stage.pieces, len(stage.members), len(stage.pieces.dst_pos), stage.itemsize
+    p, T, M, itemsize = stage.overlaps, len(stage.members), len(stage.overlaps.dst_pos), stage.itemsize
     uniform = bool((itemsize == itemsize[0]).all())
     if order is IN_ORDER:
         s, d = tiled.src, tiled.dst
@@ -256,17 +256,17 @@ def _presorted_group(stage: _Stage, tiled: _Tiled, order: np.ndarray) -> ArrayRo
         lo, hi = np.tile(p.lo, (T, 1)), np.tile(p.hi, (T, 1))
     else:
         s, d = tiled.src[order], tiled.dst[order]
-        piece = order % M
-        vol = p.vol[piece]
+        overlap = order % M
+        vol = p.vol[overlap]
         nbytes = vol * int(itemsize[0]) if uniform else vol * np.repeat(itemsize, M)
-        lo, hi = p.lo[piece], p.hi[piece]
+        lo, hi = p.lo[overlap], p.hi[overlap]
     _frozen(s, d, nbytes)
     return ArrayRows(stage.lower, stage.naive, s, d, nbytes, lo, hi)
 
 
 def _general_group(stage: _Stage, tiled: _Tiled, splits: list[Split]) -> tuple[ArrayRows, np.ndarray]:
     """Rows built and sorted one by one: split rows, or orders that depend on the senders."""
-    p, T, M = stage.pieces, len(stage.members), len(stage.pieces.dst_pos)
+    p, T, M = stage.overlaps, len(stage.members), len(stage.overlaps.dst_pos)
     lo, hi = np.tile(p.lo, (T, 1)), np.tile(p.hi, (T, 1))
     t, s, d = np.repeat(np.arange(T, dtype=np.int64), M), tiled.src, tiled.dst
     if splits:

@@ -2,15 +2,15 @@
 
 Planning runs in three steps:
 
-1. *Pieces* (``core/pieces.py``, cached per shape and pair of grids, independent of
+1. *Overlaps* (``core/overlaps.py``, cached per shape and pair of grids, independent of
    device ids): cut every destination shard by the source shards it overlaps.
-2. *Candidates* (``core/leaves.py``, vectorised over the tensors that share pieces):
-   map mesh positions to device ids. A piece whose destination already holds its
-   source shard is a local copy; a piece whose source shard has one holder is fixed;
+2. *Candidates* (``core/leaves.py``, vectorised over the tensors that share overlaps):
+   map mesh positions to device ids. An overlap whose destination already holds its
+   source shard is a local copy; an overlap whose source shard has one holder is fixed;
    the rest may come from any replica.
 3. *Balancing* (``core/balance.py``, over the whole pytree at once): give every
-   remaining piece a sender so that the largest number of bytes any device sends is
-   small, splitting a piece across replicas where that lowers the maximum.
+   remaining overlap a sender so that the largest number of bytes any device sends is
+   small, splitting an overlap across replicas where that lowers the maximum.
 
 Network bytes equal the lower bound by construction: a destination receives each
 element it lacks exactly once and never receives what it already holds. This module
@@ -27,21 +27,20 @@ from jreshard.core.check import PlanError, check_tensor_plan
 from jreshard.core.dtypes import itemsize_of
 from jreshard.core.layout import Layout, _grid
 from jreshard.core.leaves import Leaf, plan_leaves
-from jreshard.core.pieces import pieces
+from jreshard.core.overlaps import overlaps
 from jreshard.core.plans import Move, MoveArrays, Plan, TensorPlan
-from jreshard.core.stats import PlanStats, format_amount
+from jreshard.core.stats import PlanStats
 from jreshard.core.tree import TreeDef, _sorted_keys, describe, flatten, path_str
 
 __all__ = ["Move", "MoveArrays", "TensorPlan", "Plan", "PlanStats", "plan", "plan_layouts", "PlanError", "clear_cache",
            "check_tensor_plan"]
 
-_fmt = format_amount  # the old private name, still imported by some callers
 _CACHE_SIZE = 32  # plans; whole-model plans are large, and a process plans a few reshards
 
 
 def clear_cache() -> None:
-    """Forgets cached plans, pieces and grids (for cold-start measurements)."""
-    for cached in (_plan_pair, _plan_tree, _identity_slot, pieces, _grid):
+    """Forgets cached plans, overlaps and grids (for cold-start measurements)."""
+    for cached in (_plan_pair, _plan_tree, _identity_slot, overlaps, _grid):
         cached.cache_clear()
 
 

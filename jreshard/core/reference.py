@@ -63,6 +63,3 @@ def execute_plan(p: Plan, src_shards: dict[str, dict[int, np.ndarray]]) -> dict[
     """Runs every TensorPlan of a Plan; shards are keyed by leaf path, then device."""
     return {path: execute(tp, src_shards[path]) for path, tp in p.items()}
 
-
-# Kept for callers that imported the private name; use jreshard.core.dtypes.numpy_dtype.
-_np_dtype = numpy_dtype

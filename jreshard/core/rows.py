@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jreshard.core.pieces import Pieces
+from jreshard.core.overlaps import Overlaps
 
 __all__ = ["ArrayRows", "GroupRows", "LeafRange", "MoveArrays", "MoveRows", "PairRows", "pair_order",
            "presorted_rows", "IN_ORDER"]
@@ -77,15 +77,15 @@ class ArrayRows:
 class PairRows:
     """A group whose senders the mesh pair fixes, without split rows: one row set per pair.
 
-    Per mesh pair c, the sorted rows ``psrc[c]``, ``pdst[c]`` of pieces ``perm[c]``;
+    Per mesh pair c, the sorted rows ``psrc[c]``, ``pdst[c]`` of overlaps ``perm[c]``;
     tensor k's rows are its pair's rows with bytes scaled by its itemsize, so nothing
-    of size tensors x pieces is built.
+    of size tensors x overlaps is built.
     """
 
     lower: dict[int, int]  # leaf -> lower bound bytes
     naive: dict[int, int]  # leaf -> gather-then-broadcast bytes
-    pieces: Pieces
-    perm: np.ndarray | None  # [C, M], None when every pair keeps piece order
+    overlaps: Overlaps
+    perm: np.ndarray | None  # [C, M], None when every pair keeps overlap order
     psrc: np.ndarray  # [C, M]
     pdst: np.ndarray  # [C, M]
     inv: np.ndarray  # [T] pair of each tensor
@@ -95,19 +95,19 @@ class PairRows:
         """Rows a:b, one tensor's range."""
         c = int(self.inv[a // self.psrc.shape[1]])
         if self.perm is None:
-            lo, hi = self.pieces.lo, self.pieces.hi  # read-only, shared
+            lo, hi = self.overlaps.lo, self.overlaps.hi  # read-only, shared
         else:
-            lo, hi = self.pieces.lo[self.perm[c]], self.pieces.hi[self.perm[c]]
+            lo, hi = self.overlaps.lo[self.perm[c]], self.overlaps.hi[self.perm[c]]
             lo.setflags(write=False)
             hi.setflags(write=False)
         return MoveRows(self.psrc[c], self.pdst[c], lo, hi)
 
     def move_arrays(self) -> MoveArrays:
-        """One row per (pair, piece) for all the pair's tensors."""
+        """One row per (pair, overlap) for all the pair's tensors."""
         C, M = self.psrc.shape
         weight = np.bincount(self.inv, weights=self.itemsize, minlength=C).astype(np.int64)  # bytes per element
         count = np.bincount(self.inv, minlength=C).astype(np.int64)
-        vol = self.pieces.vol[self.perm] if self.perm is not None else np.broadcast_to(self.pieces.vol, (C, M))
+        vol = self.overlaps.vol[self.perm] if self.perm is not None else np.broadcast_to(self.overlaps.vol, (C, M))
         nbytes = (vol * weight[:, None]).ravel()
         return MoveArrays(self.psrc.ravel(), self.pdst.ravel(), nbytes, np.repeat(count, M))
 
@@ -116,13 +116,13 @@ class PairRows:
 GroupRows = ArrayRows | PairRows
 
 
-def _box_keys(p: Pieces) -> list[np.ndarray]:
+def _box_keys(p: Overlaps) -> list[np.ndarray]:
     # np.lexsort sorts by its last key first: minor box dims go first.
     return [p.lo[:, k] for k in range(p.lo.shape[1] - 1, -1, -1)]
 
 
-def pair_order(p: Pieces, pdst_c: np.ndarray, psrc_c: np.ndarray) -> np.ndarray | None:
-    """Per mesh pair, the piece order sorted by (dst, src, box); ``None`` when already sorted."""
+def pair_order(p: Overlaps, pdst_c: np.ndarray, psrc_c: np.ndarray) -> np.ndarray | None:
+    """Per mesh pair, the overlap order sorted by (dst, src, box); ``None`` when already sorted."""
     keys = _box_keys(p)
     perms = np.empty(pdst_c.shape, dtype=np.int64)
     for c in range(len(pdst_c)):
@@ -133,12 +133,12 @@ def pair_order(p: Pieces, pdst_c: np.ndarray, psrc_c: np.ndarray) -> np.ndarray 
 IN_ORDER = np.zeros(0, dtype=np.int64)  # sentinel: the tiled rows are already sorted
 
 
-def presorted_rows(p: Pieces, inv: np.ndarray, pdst_c: np.ndarray) -> np.ndarray | None:
+def presorted_rows(p: Overlaps, inv: np.ndarray, pdst_c: np.ndarray) -> np.ndarray | None:
     """Row order (into the tiled [T*M] rows) sorted by (tensor, dst, box), or None.
 
-    Sorting a pair's M pieces once and gathering that order for each of its tensors
+    Sorting a pair's M overlaps once and gathering that order for each of its tensors
     avoids a lexsort over all rows. Senders were chosen per row, so the order must
-    not depend on them: it holds only when every destination gets one piece.
+    not depend on them: it holds only when every destination gets one overlap.
     """
     M = len(p.dst_pos)
     keys = _box_keys(p)

@@ -43,7 +43,8 @@ from collections.abc import Collection, Mapping, Sequence
 from jreshard.core.box import Box, split_box
 from jreshard.core.plans import TensorPlan
 
-__all__ = ["Piece", "Message", "Bucket", "schedule", "pieces", "edge_colouring", "ALIGN"]
+__all__ = ["Piece", "Message", "Bucket", "schedule", "pieces", "edge_colouring", "ALIGN", "aligned", "pack",
+           "ordered_buckets"]
 
 ALIGN = 64  # bytes: where each piece starts in a message
 
@@ -194,16 +195,80 @@ def _first_fit(network: list[Piece], cap: int) -> list[list[int]]:
     return members
 
 
-def _aligned(nbytes: int) -> int:
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of ``ALIGN``: where the next piece of a message may start."""
     return -(-nbytes // ALIGN) * ALIGN
 
 
-def _message(src: int, dst: int, pieces: list[Piece]) -> Message:
+def pack(sizes: Sequence[int]) -> tuple[tuple[int, ...], int]:
+    """(the offset of each piece in a message, the aligned end): pieces back to back, each on ``ALIGN``.
+
+    Example:
+      >>> from jreshard.core.schedule import pack
+      >>> pack([10, 64, 1])
+      ((0, 64, 128), 192)
+    """
     offsets, end = [], 0
-    for p in pieces:
+    for n in sizes:
         offsets.append(end)
-        end = _aligned(end + p.nbytes)
-    return Message(src, dst, tuple(pieces), tuple(offsets), offsets[-1] + pieces[-1].nbytes)
+        end = aligned(end + n)
+    return tuple(offsets), end
+
+
+def _message(src: int, dst: int, pieces: list[Piece]) -> Message:
+    offsets, _ = pack([p.nbytes for p in pieces])
+    return Message(src, dst, tuple(pieces), offsets, offsets[-1] + pieces[-1].nbytes)
+
+
+def ordered_buckets(sends: Sequence[tuple[int, int, int]], first: Sequence[int], after: Mapping[int, int], *,
+                    cap: int, share: Mapping[int, int], lag: int) -> tuple[list[int], int]:
+    """(the bucket of each send, the number of buckets): plan order, and a second stage pipelined behind it.
+
+    Unlike ``schedule`` (largest first), sends keep their order, the one the bridge's receivers
+    unpack in. ``sends[i]`` is ``(sender, receiver, bytes)``. The sends ``first`` fill buckets in
+    order: a bucket closes at the first one that would take a device past ``cap`` bytes sent or
+    received, counted ``aligned`` (a send always fits an empty bucket). Every other send
+    forwards what a first-stage send delivered: ``after[i]`` is the position in ``first`` of the
+    last one it waits for (``-1``: none); it is ready for bucket ``b`` once that one lies in a
+    bucket ``<= b - lag``. Each bucket first takes ready sends while each receiver stays within
+    its ``share`` of ``cap``, then first-stage sends, then ready sends again while they fit; a
+    bucket is left empty where the first stage is done and nothing is ready yet.
+
+    Example:
+      >>> from jreshard.core.schedule import ordered_buckets
+      >>> sends = [(0, 1, 64), (0, 2, 64), (1, 3, 64)]  # 1 forwards to 3 what 0 sent it
+      >>> ordered_buckets(sends, [0, 1], {2: 0}, cap=64, share={3: 64}, lag=2)
+      ([0, 1, 2], 3)
+    """
+    waiting = sorted(after, key=lambda i: (after[i], i))  # second-stage sends by the send they wait for
+    bucket_of = [-1] * len(sends)
+    ready: list[int] = []
+    k1 = k2 = bucket = 0
+    send: dict[int, int] = defaultdict(int)  # bytes each device sends, receives in the bucket being filled
+    recv: dict[int, int] = defaultdict(int)
+
+    def place(i: int, recv_cap: int) -> bool:
+        s, d, n = sends[i]
+        if (send or recv) and (send[s] + n > cap or recv[d] + n > recv_cap):
+            return False
+        send[s] += aligned(n)
+        recv[d] += aligned(n)
+        bucket_of[i] = bucket
+        return True
+
+    while k1 < len(first) or k2 < len(waiting) or ready:
+        send.clear()
+        recv.clear()
+        while k2 < len(waiting) and (after[waiting[k2]] < 0 or (
+                after[waiting[k2]] < k1 and bucket_of[first[after[waiting[k2]]]] <= bucket - lag)):
+            ready.append(waiting[k2])
+            k2 += 1
+        ready = [i for i in ready if not place(i, share[sends[i][1]])]
+        while k1 < len(first) and place(first[k1], cap):
+            k1 += 1
+        ready = [i for i in ready if not place(i, cap)]
+        bucket += 1
+    return bucket_of, bucket
 
 
 def edge_colouring(pairs: Sequence[tuple[int, int]]) -> list[int]:

@@ -39,6 +39,8 @@ import os
 from importlib import resources
 from typing import Any
 
+from jreshard.core.args import check_int
+
 __all__ = ["TensorInfo", "ModelConfig", "tensors", "num_params", "models", "get_model", "register_model",
            "load_config", "ARCHITECTURES"]
 
@@ -151,9 +153,7 @@ def load_config(config: Any, name: str | None = None) -> ModelConfig:
         raise ValueError(f"config for architecture {arch!r} lacks field(s) {missing}; "
                          "add them from the model's config.json.")
     for k in _REQUIRED[arch]:
-        v = config[k]
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ValueError(f"config field {k!r} must be a positive int, got {v!r}.")
+        check_int(f"config field {k!r}", config[k], minimum=1)
     model_name = name or config.get("name") or config.get("_name_or_path") or file_name
     if not isinstance(model_name, str) or not model_name:
         raise ValueError("config has no 'name' nor '_name_or_path'; pass name='my-model' to register it.")

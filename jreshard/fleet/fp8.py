@@ -41,9 +41,10 @@ from typing import NamedTuple
 
 import numpy as np
 
+from jreshard.core.args import check_ints
 from jreshard.core.fp8 import Fp8Format
 from jreshard.core.fp8_blocks import AMAX_BYTES, quant_plan
-from jreshard.core.fp8_target import fp8_target, scale_layout
+from jreshard.core.fp8_split import fp8_split, scale_layout
 from jreshard.core.layout import Layout
 from jreshard.fleet.catalog import TensorInfo
 from jreshard.fleet.hardware import Topology
@@ -71,9 +72,8 @@ def parse_block(spec: object, arg: str = "fp8_block") -> tuple[int | None, ...]:
         if all(p.isdigit() and int(p) > 0 for p in parts) and len(parts) in (1, 2):
             sizes = [int(p) for p in parts]
             return (sizes[0], sizes[-1])
-    elif isinstance(spec, (list, tuple)) and len(spec) == 2 and all(
-            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in spec):
-        return (int(spec[0]), int(spec[1]))
+    elif isinstance(spec, (list, tuple)) and len(spec) == 2:
+        return check_ints(arg, spec, minimum=1)
     raise ValueError(f"{arg} must be two positive block sizes ('128x128', [128, 128]), one ('128'), 'tensor' or "
                      f"'channel', got {spec!r}.")
 
@@ -107,7 +107,7 @@ def fp8_layouts(infos: Sequence[TensorInfo], src: Mapping[str, Layout], dst: Map
         key = (d.shape, d.mesh, d.dim_axes)
         if key not in checked:
             try:
-                checked[key] = fp8_target(d, fmt)
+                checked[key] = fp8_split(d, fmt)
             except ValueError as exc:
                 raise ValueError(f"FP8 delivery of {t.name} ({fmt}): {exc}") from None
         weight, scale = checked[key]

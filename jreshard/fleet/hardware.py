@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from importlib import resources
 from typing import Any
 
+from jreshard.core.args import check_int
 from jreshard.core.domains import Domains
 
 __all__ = ["Hardware", "Topology", "load_hardware", "hardware_names"]
@@ -111,9 +112,7 @@ class Topology:
     copy_GBps: float | None = None
 
     def __post_init__(self) -> None:
-        gpd = self.gpus_per_domain
-        if isinstance(gpd, bool) or not isinstance(gpd, int) or gpd < 1:
-            raise ValueError(f"gpus_per_domain must be a positive int, got {self.gpus_per_domain!r}.")
+        check_int("gpus_per_domain", self.gpus_per_domain, minimum=1)
         for name in ("nvlink_GBps", "network_GBps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}.")

@@ -27,20 +27,19 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import cast
 
 from jreshard.core import hierarchical as _core
+from jreshard.core.args import check_int
 from jreshard.core.domains import Domains
-from jreshard.core.hierarchical import StagePart, TwoStagePlan
+from jreshard.core.hierarchical import StagePart, TwoStagePlan, check_hierarchical
 from jreshard.core.layout import Layout
 from jreshard.core.planner import Plan, plan
 from jreshard.fleet.hardware import Topology
 from jreshard.fleet.traffic import Prediction, plan_traffic, predict, predict_plan
 
 __all__ = ["TwoStagePlan", "StagePart", "hierarchical_plan", "predict_two_stage", "stage_parts",
-           "has_domain_replicas", "decide", "Decision", "HIERARCHICAL"]
-
-HIERARCHICAL = ("auto", "always", "never")
+           "has_domain_replicas", "decide", "Decision"]
 
 
 def _domains(where: Topology | Domains | int) -> Domains:
@@ -102,9 +101,8 @@ def predict_two_stage(tsp: TwoStagePlan, topo: Topology, *, overlap: int = 0) ->
       >>> round(piped.seconds * 1e3, 3)  # stage 1, then the 2 of 16 buckets' share of stage 2
       1.688
     """
-    if not isinstance(overlap, int) or isinstance(overlap, bool) or overlap < 0:
-        raise ValueError(f"overlap must be an int >= 0 (buckets between a stage-1 send and the stage-2 sends "
-                         f"that forward it; 0: the stages run one after the other), got {overlap!r}.")
+    # overlap: buckets between a stage-1 send and the stage-2 sends that forward it (0: one after the other)
+    overlap = check_int("overlap", overlap)
     one = plan_traffic(tsp.stage1, topo)
     first = predict(one, topo)
     if tsp.stage2 is None:
@@ -132,13 +130,6 @@ class Decision:
     hierarchical: Prediction | None  # None: not predicted ('never', or no domain holds two replicas)
     direct_plan: Plan = dataclasses.field(repr=False)
     two_stage: TwoStagePlan | None = dataclasses.field(repr=False)
-
-
-def check_hierarchical(hierarchical: Any) -> str:
-    """``hierarchical`` checked: one of ``HIERARCHICAL``."""
-    if not isinstance(hierarchical, str) or hierarchical not in HIERARCHICAL:
-        raise ValueError(f"hierarchical must be 'auto', 'always' or 'never', got {hierarchical!r}.")
-    return hierarchical
 
 
 def decide(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology, hierarchical: str = "auto", *,

@@ -26,6 +26,7 @@ import textwrap
 from collections.abc import Mapping
 from typing import NamedTuple
 
+from jreshard.core.args import INT64_MAX, check_int
 from jreshard.fleet.cost import Comparison, compare
 from jreshard.fleet.fp8 import fp8_costs, fp8_layouts
 from jreshard.fleet.presets import infer_layouts, train_layouts
@@ -92,8 +93,7 @@ def predict_layer(scenario: Scenario | str | os.PathLike | Mapping, layer: int, 
       ValueError: the layer does not exist or holds no routed experts.
     """
     s = scenario if isinstance(scenario, Scenario) else load_scenario(scenario)
-    if isinstance(layer, bool) or not isinstance(layer, numbers.Integral):
-        raise TypeError(f"layer must be an int, got {type(layer).__name__} {layer!r}.")
+    layer = check_int("layer", layer, minimum=-INT64_MAX - 1)
     infos = s.tensors(experts)
     with_experts = sorted({t.layer for t in infos if t.is_expert and t.layer is not None})
     if layer not in with_experts:
@@ -104,13 +104,13 @@ def predict_layer(scenario: Scenario | str | os.PathLike | Mapping, layer: int, 
     kept = [t for t in infos if not t.is_expert or t.layer == layer]
     src = train_layouts(kept, s.train, s.train_devices())
     dst = infer_layouts(kept, s.infer, s.infer_devices())
-    experts = [t for t in kept if t.is_expert]
-    src = {t.name: src[t.name] for t in experts}
-    dst = {t.name: dst[t.name] for t in experts}
+    moe = [t for t in kept if t.is_expert]
+    src = {t.name: src[t.name] for t in moe}
+    dst = {t.name: dst[t.name] for t in moe}
     fp8 = None
     if s.fp8 is not None:
-        src, dst = fp8_layouts(experts, src, dst, s.fp8)
-        fp8 = fp8_costs(experts, src, s.fp8, s.topology())[0]
+        src, dst = fp8_layouts(moe, src, dst, s.fp8)
+        fp8 = fp8_costs(moe, src, s.fp8, s.topology())[0]
     names = tuple(src)
     comparison = compare(src, dst, s.topology(), hierarchical=hierarchical, fp8=fp8)
     return LayerPrediction(s.name, s.model.name, int(layer), names, sum(dst[n].nbytes for n in names), comparison,

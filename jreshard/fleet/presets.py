@@ -5,7 +5,7 @@ stage), *ep* expert parallel (routed experts split across ranks), *expert_tp*
 tensor parallel inside an expert, *cp* context parallel (weights replicated),
 *dp* data parallel (replicas), *fsdp* data-parallel ranks that shard weights on
 their leading dim. The degrees are ``TrainParallel`` and ``InferParallel``
-(``jreshard.fleet.degrees``).
+(``jreshard.core.degrees``).
 
 Device order follows the frameworks, tp innermost:
 
@@ -39,7 +39,7 @@ Column-parallel weights (``[out, in]``) are split on dim 0, row-parallel on dim 
 embeddings and heads on the vocabulary dim; norms and routers are replicated.
 
 Example:
-  >>> from jreshard import catalog, presets
+  >>> from jreshard.fleet import catalog, presets
   >>> infos = catalog.tensors("llama-tiny")
   >>> dst = presets.infer_layouts(infos, presets.InferParallel(tp=2, dp=2), devices=range(4, 8))
   >>> dst["model.layers.0.self_attn.o_proj.weight"].spec_str
@@ -50,17 +50,17 @@ Example:
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 import numpy as np
 
-from jreshard.core.heads import split_heads
+from jreshard.core.args import check_int
+from jreshard.core.degrees import InferParallel, TrainParallel, parse_degrees, parse_parallel
 from jreshard.core.layout import Layout
 from jreshard.core.mesh import Mesh
+from jreshard.core.tp_split import VOCAB_ROLES, tp_dim, tp_split
 from jreshard.fleet.catalog import TensorInfo
-from jreshard.fleet.degrees import InferParallel, TrainParallel, parse_degrees, parse_parallel
 from jreshard.fleet.nn_presets import nn_layouts
 
 __all__ = ["TrainParallel", "InferParallel", "train_layouts", "infer_layouts", "stage_of_layers", "parse_parallel",
@@ -76,9 +76,7 @@ def _device_array(devices: Iterable[int], n: int, arg: str) -> np.ndarray:
 
 def stage_of_layers(num_layers: int, pp: int) -> list[int]:
     """The pipeline stage of each decoder layer: consecutive, as even as possible."""
-    for name, value, least in (("num_layers", num_layers, 0), ("pp", pp, 1)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
-            raise ValueError(f"{name} must be an int >= {least}, got {value!r}.")
+    num_layers, pp = check_int("num_layers", num_layers), check_int("pp", pp, minimum=1)
     if pp > max(num_layers, 1):
         raise ValueError(f"pp={pp} stages exceed the model's {num_layers} layers; use pp <= {num_layers}.")
     return [s for s, block in enumerate(np.array_split(np.arange(num_layers), pp)) for _ in block]
@@ -91,18 +89,15 @@ def _stage(info: TensorInfo, layer_stage: list[int], pp: int) -> int:
 
 
 def _dense_spec(info: TensorInfo, tp: str | None, fsdp: str | None) -> tuple:
-    """Spec of a non-expert tensor: tp per role, fsdp on the leading dim (major)."""
+    """Spec of a non-expert tensor: tp on its role's dim (``jreshard.core.tp_split``), fsdp on the leading dim."""
     rank = len(info.shape)
     if rank == 0:
         return ()
-    lead = []
-    if fsdp:
-        lead.append(fsdp)
-    if tp and info.role in ("column", "embed", "head"):
-        lead.append(tp)
+    dim = tp_dim(info.role) if tp else None
+    lead = [a for a in (fsdp, tp if dim == 0 else None) if a]
     spec: list = [tuple(lead) if lead else None] + [None] * (rank - 1)
-    if tp and info.role == "row" and rank >= 2:
-        spec[1] = tp
+    if dim is not None and 0 < dim < rank:
+        spec[dim] = tp
     return tuple(spec)
 
 
@@ -151,25 +146,19 @@ def _num_experts(infos: Sequence[TensorInfo]) -> int:
 
 
 def _tp_dim(info: TensorInfo) -> int | None:
-    """The dim that tensor parallelism splits (expert_tp for training experts); None if none."""
-    if info.role == "column":
-        return 1 if info.stacked else 0
-    if info.role == "row":
-        return 2 if info.stacked else 1
-    return None  # replicated tensors; the vocabulary, which the frameworks pad to split it
+    """The dim that tensor parallelism splits and must split evenly (expert_tp for training experts); None if none.
+
+    The vocabulary is left out: the frameworks pad it to split it.
+    """
+    return None if info.role in VOCAB_ROLES else tp_dim(info.role, stacked=info.stacked)
 
 
 def _check_split(info: TensorInfo, arg: str, degree: int, replicate: bool) -> None:
     dim = _tp_dim(info)
     if degree == 1 or dim is None:
         return
-    n = info.shape[dim]
-    if info.heads is not None:
-        split_heads(info.heads, n // info.heads, degree, replicate=replicate and info.replicate_heads,
-                    what=f"{arg}={degree} on {info.name}")
-    elif n % degree:
-        raise ValueError(f"{arg}={degree} on {info.name}: dim {dim} of size {n} does not split evenly over {degree} "
-                         f"ranks; make {arg} a divisor of {n}.")
+    tp_split(info.shape[dim], degree, heads=info.heads, replicate_heads=replicate and info.replicate_heads,
+             what=f"{arg}={degree} on {info.name}", dim=dim, degree=arg)
 
 
 def _head_replicas(info: TensorInfo, tp: int) -> int:
@@ -177,7 +166,8 @@ def _head_replicas(info: TensorInfo, tp: int) -> int:
     dim = _tp_dim(info)
     if info.heads is None or dim is None or tp == 1:
         return 1
-    return split_heads(info.heads, info.shape[dim] // info.heads, tp, replicate=info.replicate_heads).replicas
+    return tp_split(info.shape[dim], tp, heads=info.heads, replicate_heads=info.replicate_heads,
+                    what=info.name).replicas
 
 
 def check_degrees(infos: Sequence[TensorInfo], par: TrainParallel | InferParallel) -> None:
@@ -283,7 +273,7 @@ def infer_layouts(infos: Sequence[TensorInfo], par: InferParallel, devices: Iter
     par.check(len(devices))
     check_degrees(infos, par)
     ids = _device_array(devices, len(devices), "devices")
-    mesh = Mesh(ids.reshape(par.dp, par.tp), ("dp", "tp"))
+    mesh = Mesh(par.engines(ids), ("dp", "tp"))
     # KV heads fewer than tp: each head on `replicas` consecutive tp ranks (vLLM), so the
     # tp axis splits into the head groups (still "tp") and their copies ("tp_replica").
     head_mesh: dict[int, Mesh] = {1: mesh}

@@ -22,7 +22,7 @@ cuts a block is refused, as vLLM refuses it.
 Hugging Face-style ``config.json`` / a hardware JSON file.
 
 Example:
-  >>> from jreshard import scenario
+  >>> from jreshard.fleet import scenario
   >>> s = scenario.load_scenario({"model": "llama-tiny", "train": {"gpus": 4, "fsdp": 4},
   ...                             "infer": {"gpus": 4, "tp": 2, "dp": 2}, "hardware": "dgx-h100"})
   >>> src, dst = s.layouts()
@@ -35,12 +35,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import numbers
 import os
 from collections.abc import Mapping
 from importlib import resources
 from typing import Any
 
+from jreshard.core.args import check_int
 from jreshard.core.fp8 import Fp8Format
 from jreshard.core.layout import Layout, canonical_dtype
 from jreshard.fleet import catalog, cost
@@ -132,9 +132,10 @@ def scenario_names() -> tuple[str, ...]:
 
 
 def _positive_int(where: str, field: str, v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
-        raise ScenarioError(f"{where}: field {field!r} must be a positive int, got {v!r}.")
-    return int(v)
+    try:
+        return check_int(f"field {field!r}", v, minimum=1)
+    except (TypeError, ValueError) as e:  # one error type for a malformed file, naming the file
+        raise ScenarioError(f"{where}: {e}") from None
 
 
 def _side(where: str, data: Mapping, field: str, allowed: set, cls: type,

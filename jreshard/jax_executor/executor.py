@@ -253,21 +253,21 @@ class TwoStageExecutor:
             spec.transport, spec.cap, spec.host_packing, tuple(s1[k] for k in keys),
             tuple(spec.src[i] for i, _ in self.parts), tuple(part.stage1 for _, part in self.parts)))
         # Stage-1 leaves that fan out, with their final layouts.
-        targets = {k: part.target for k, (_, part) in enumerate(self.parts) if part.target is not None}
+        finals = {k: part.final for k, (_, part) in enumerate(self.parts) if part.final is not None}
         process_of = {d: dev.process_index for d, dev in devices.items()}
-        owners = {k: {process_of[d] for d in t.mesh.device_ids} for k, t in targets.items()}
+        owners = {k: {process_of[d] for d in t.mesh.device_ids} for k, t in finals.items()}
         if all(len(p) == 1 for p in owners.values()):  # each process fans out its own domains, locally
-            fan = [k for k in targets if owners[k] == {me}]
-            on_cpu = {devices[d].platform for k in fan for d in targets[k].mesh.device_ids} <= {"cpu"}
+            fan = [k for k in finals if owners[k] == {me}]
+            on_cpu = {devices[d].platform for k in fan for d in finals[k].mesh.device_ids} <= {"cpu"}
             transport = "memcpy" if on_cpu and spec.transport != "device_put" else "device_put"
         else:
-            fan, transport = list(targets), spec.transport
+            fan, transport = list(finals), spec.transport
         self.fan = tuple(fan)  # stage-1 leaves that stage 2 reads, in stage-2 leaf order
         self.stage2 = None
         if fan and two_stage.stage2 is not None:
             s2 = two_stage.stage2
             first = [self.parts[k][1].stage1 for k in fan]
-            final = [targets[k] for k in fan]
+            final = [finals[k] for k in fan]
             dtypes = tuple(spec.dtypes[self.parts[k][0]] for k in fan)
             self.stage2 = executor(Spec(
                 s2, tuple(sharding_of(lay, devices) for lay in first),
@@ -295,7 +295,7 @@ class TwoStageExecutor:
         first = self.stage1.local_outputs(self.stage1.source_shards(part_values), progress)
         final: dict[tuple[int, int], Any] = {}
         for k, (i, part) in enumerate(self.parts):
-            if part.target is None:
+            if part.final is None:
                 final.update(((i, d), x) for (kk, d), x in first.items() if kk == k)
         if self.stage2 is not None:
             given = {(j, d): x for j, k in enumerate(self.fan) for (kk, d), x in first.items() if kk == k}

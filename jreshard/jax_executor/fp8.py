@@ -56,7 +56,7 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from jreshard.core.dtypes import canonical_dtype
 from jreshard.core.fp8 import Fp8Format
-from jreshard.core.fp8_target import fp8_target
+from jreshard.core.fp8_split import fp8_split
 from jreshard.jax_executor import transfer as _transfer
 from jreshard.jax_executor.adapter import parse
 
@@ -424,7 +424,7 @@ def transfer(params: Any, target: Any, *, block: Any = (128, 128), dtype: Any = 
         fmt = base if isinstance(block, Fp8Format) else fp8_format(base.block, kind)
         where = f"target at {name!r}" if name else "target"
         try:
-            fp8_target(dst, fmt)
+            fp8_split(dst, fmt)
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
         w, s = quantize(v, fmt)

@@ -30,34 +30,37 @@ devices lie in several domains and the cost model
 The executor of a (plan, shardings, dtypes, transport, cap) is cached, so a
 second transfer of the same pytree builds and compiles nothing. The first one
 compiles its programs (see docs/transfer.md, "First call"). Each call logs what
-it did (logger ``"jreshard"``) and keeps it for ``last_transfer_stats()``.
+it did (logger ``"jreshard"``) and keeps an ``ExecutionStats`` of it
+(``jreshard.core.execution``, the record every executor returns), which
+``last_transfer_stats()`` returns in the calling thread.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
-import numbers
-import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections import Counter
 from typing import Any
 
 import jax
 import numpy as np
 
+from jreshard.core.args import check_flag, check_int
 from jreshard.core.domains import Domains
+from jreshard.core.execution import ExecutionStats
+from jreshard.core.hierarchical import HIERARCHICAL, check_hierarchical
 from jreshard.core.plans import Plan, TensorPlan
+from jreshard.core.progress import progress_bar
 from jreshard.fleet.hardware import Topology
-from jreshard.fleet.hierarchical import HIERARCHICAL, check_hierarchical, decide
+from jreshard.fleet.hierarchical import decide
 from jreshard.jax_executor import host
 from jreshard.jax_executor.adapter import Leaves, check_live, parse
-from jreshard.jax_executor.executor import Spec, executor, two_stage_executor
+from jreshard.jax_executor.executor import Executor, Spec, TwoStageExecutor, executor, two_stage_executor
 from jreshard.jax_executor.host import release_transfer_buffers
 
-__all__ = ["transfer", "release_transfer_buffers", "last_transfer_stats", "TransferStats", "auto_topology",
+__all__ = ["transfer", "release_transfer_buffers", "last_transfer_stats", "auto_topology",
            "DEFAULT_MAX_BYTES_IN_FLIGHT", "TRANSPORTS", "HIERARCHICAL"]
 
 log = logging.getLogger("jreshard")
@@ -82,41 +85,32 @@ _HOST_PACKING_BACKENDS = frozenset({"cpu"})
 _AUTO_LINKS = {"cpu": Topology(1, nvlink_GBps=2.0, network_GBps=0.25, latency_us=500)}
 _AUTO_LINKS_DEFAULT = "dgx-h100"  # read from its hardware file on first use, not at import
 
-# Syncs whose bytes sent by this process pass this show a progress bar on a terminal.
-_PROGRESS_BYTES = 1 << 30
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class TransferStats:
-    """What one ``transfer`` call did, as this process's executors counted it.
-
-    ``link_bytes`` holds the payload bytes this process's devices sent, per (sender,
-    receiver) device id, both stages together (a device's copies to itself are not
-    counted); under ``jax.distributed`` each process counts its own senders.
-    """
-
-    delivery: str  # "direct" or "hierarchical"
-    transports: tuple[str, ...]  # per stage
-    domains: Domains
-    link_bytes: Mapping[tuple[int, int], int]
-    seconds: float
-
-    @property
-    def cross_domain_bytes(self) -> int:
-        """Bytes sent across a domain boundary."""
-        return sum(b for (s, d), b in self.link_bytes.items() if self.domains.domain(s) != self.domains.domain(d))
-
-    @property
-    def sent_bytes(self) -> int:
-        """Bytes sent between distinct devices."""
-        return sum(self.link_bytes.values())
-
-
 _LAST = threading.local()
 
 
-def last_transfer_stats() -> TransferStats | None:
-    """The ``TransferStats`` of this thread's last ``transfer`` call (``None`` before the first)."""
+def last_transfer_stats() -> ExecutionStats | None:
+    """What this thread's last ``transfer`` call did (``None`` before the first), as this process counted it.
+
+    The ``ExecutionStats`` (``jreshard.core.execution``) that every executor returns: ``seconds``;
+    ``sent_bytes``, the payload bytes this process's devices sent to another device, both stages
+    together (a device's copies to itself are not counted; ``received_bytes`` stays 0: each process
+    counts its own senders); ``link_bytes``, the same per (sender, receiver) device id;
+    ``cross_domain_sent_bytes`` (also ``cross_domain_bytes``), the part that crossed a boundary of
+    ``domains``; ``delivery`` (``"direct"`` or ``"hierarchical"``); ``transports``, one per stage;
+    ``transport_bytes``, the bytes sent per transport. Kept per thread, so that threads that
+    transfer at once each read their own call.
+
+    Example:
+      >>> import jax, numpy as np
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> from jreshard import last_transfer_stats, transfer
+      >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
+      >>> w = jax.device_put(np.zeros((4, 4), np.float32), NamedSharding(mesh, P("x")))
+      >>> _ = transfer(w, NamedSharding(mesh, P(None, "x")))
+      >>> s = last_transfer_stats()
+      >>> s.sent_bytes, sorted(s.link_bytes.items()), s.delivery, s.transports
+      (32, [((0, 1), 16), ((1, 0), 16)], 'direct', ('memcpy',))
+    """
     return getattr(_LAST, "stats", None)
 
 
@@ -164,12 +158,13 @@ def transfer(params: Any, target: Any, *, plan: Plan | TensorPlan | None = None,
       topology: the links ``"auto"`` weighs (a ``jreshard.fleet.hardware.Topology``; its
         bandwidths and latency, over ``domains``); ``None``: ``auto_topology``.
       progress: show a tqdm bar of the bytes sent (``None``: when this process sends
-        over 1 GiB and stderr is a terminal).
+        over 1 GiB and stderr is a terminal; ``jreshard.core.progress``).
 
     Returns:
       The pytree of ``params``' structure, each leaf a ``jax.Array`` with exactly its
       target sharding, bit-identical to the input (or cast to ``dtype``). With ``block``,
       the pair ``(weights, scales)`` described in ``jreshard.jax_executor.fp8.transfer``.
+      What the call did is kept for ``last_transfer_stats()``.
 
     Raises:
       TypeError: a leaf is not a jax Array (a tracer: called inside ``jit``), or an
@@ -195,11 +190,9 @@ def transfer(params: Any, target: Any, *, plan: Plan | TensorPlan | None = None,
         return fp8.transfer(params, target, block=block, plan=plan, dtype=dtype, donate=donate,
                             max_bytes_in_flight=max_bytes_in_flight, mesh=mesh, transport=transport,
                             hierarchical=hierarchical, domains=domains, topology=topology, progress=progress)
-    cap = _check_options(donate, transport, max_bytes_in_flight)
-    donate = bool(donate)
+    cap, donate = _check_options(donate, transport, max_bytes_in_flight)
     check_hierarchical(hierarchical)
-    if progress is not None and not isinstance(progress, bool):
-        raise TypeError(f"progress must be True, False or None, got {progress!r}.")
+    progress = check_flag("progress", progress, none=True)
     groups = _check_domains(domains)
     if topology is not None and not isinstance(topology, Topology):
         raise TypeError(f"topology must be a jreshard.fleet.hardware.Topology or None, got {type(topology).__name__}; "
@@ -232,19 +225,32 @@ def transfer(params: Any, target: Any, *, plan: Plan | TensorPlan | None = None,
     with host.LOCK:
         # Another thread may have donated these arrays since they were parsed.
         check_live(leaves.names, leaves.values)
-        bar = _progress_bar(progress, ex.total_bytes)
+        bar = progress_bar(progress, ex.total_bytes, f"jreshard transfer process {jax.process_index()}")
         try:
             out = ex(leaves.values, donate, bar)
         finally:
             if bar is not None:
                 bar.close()
-        stats = TransferStats(delivery.delivery, transports, groups, dict(ex.link_bytes),
-                              time.perf_counter() - start)
+        stats = _stats(ex, delivery.delivery, transports, groups, time.perf_counter() - start)
     _LAST.stats = stats
     log.info("transfer: %d leaves, %s delivery (%s) over %s; sent %d bytes (%d across domains) in %.3f s",
              len(leaves.names), stats.delivery, "+".join(transports), groups, stats.sent_bytes,
              stats.cross_domain_bytes, stats.seconds)
     return jax.tree_util.tree_unflatten(leaves.treedef, out)
+
+
+def _stats(ex: Executor | TwoStageExecutor, delivery: str, transports: tuple[str, ...], domains: Domains,
+           seconds: float) -> ExecutionStats:
+    """The ``ExecutionStats`` of one call from what its executor counted (this process's senders)."""
+    links = dict(ex.link_bytes)
+    cross = sum(b for (s, d), b in links.items() if domains.domain(s) != domains.domain(d))
+    stages = [ex] if isinstance(ex, Executor) else [e for e in (ex.stage1, ex.stage2) if e is not None]
+    per_transport: Counter[str] = Counter()
+    for stage, t in zip(stages, transports, strict=True):
+        per_transport[t] += sum(stage.link_bytes.values())
+    return ExecutionStats(seconds=seconds, sent_bytes=sum(links.values()), cross_domain_sent_bytes=cross,
+                          delivery=delivery, transports=transports, transport_bytes=per_transport,
+                          link_bytes=links, domains=domains)
 
 
 def _check_domains(domains: Any) -> Domains | None:
@@ -294,29 +300,12 @@ def _delivery(spec: Spec, names: tuple[str, ...], domains: Domains, hierarchical
     return d
 
 
-def _progress_bar(enabled: bool | None, total: int) -> Any:
-    if enabled is None:
-        enabled = total > _PROGRESS_BYTES and sys.stderr.isatty()
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="B", unit_scale=True, desc=f"jreshard transfer process {jax.process_index()}",
-                leave=False)
-
-
-def _check_options(donate: Any, transport: Any, max_bytes_in_flight: Any) -> int:
-    """The cap as an int, once the options that do not depend on params are valid."""
-    if not isinstance(donate, (bool, np.bool_)):
-        raise TypeError(f"donate must be True or False, got {donate!r}.")
+def _check_options(donate: Any, transport: Any, max_bytes_in_flight: Any) -> tuple[int, bool]:
+    """The cap and ``donate``, once the options that do not depend on params are valid."""
+    donate = check_flag("donate", donate)
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}.")
-    if isinstance(max_bytes_in_flight, bool) or not isinstance(max_bytes_in_flight, numbers.Integral):
-        raise TypeError(f"max_bytes_in_flight must be an int number of bytes, got {max_bytes_in_flight!r}.")
-    if not 16 <= int(max_bytes_in_flight) < 2**63:
-        raise ValueError(f"max_bytes_in_flight must be at least 16 bytes and below 2**63, got {max_bytes_in_flight}; "
-                         f"the default is {DEFAULT_MAX_BYTES_IN_FLIGHT} (256 MiB).")
-    return int(max_bytes_in_flight)
+    return check_int("max_bytes_in_flight", max_bytes_in_flight, minimum=16), donate
 
 
 def _check_plan(plan: Any, leaves: Leaves) -> list[TensorPlan]:

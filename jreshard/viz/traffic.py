@@ -12,7 +12,6 @@ Example:
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -23,6 +22,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
+from jreshard.core.args import check_int
 from jreshard.core.plans import Plan, TensorPlan
 from jreshard.core.stats import PlanStats, format_amount
 from jreshard.viz.common import byte_ticks, bytes_axis, bytes_label, new_figure
@@ -110,9 +110,10 @@ def draw_traffic(plan: Plan | TensorPlan | np.ndarray, *, senders: Sequence[int]
       The matplotlib Figure.
 
     Raises:
-      TypeError: ``plan`` is neither a plan nor a matrix, or ``topology`` has no domain size.
+      TypeError: ``plan`` is neither a plan nor a matrix, ``topology`` has no domain size, or
+        the domain size is not an int.
       ValueError: the matrix is not 2-D or holds negative values, ``senders`` or
-        ``receivers`` does not match it, or the domain size is not a positive int.
+        ``receivers`` does not match it, or the domain size is below 1.
     """
     size = _domain_size(domain_size, topology)
     if isinstance(plan, (Plan, TensorPlan)):
@@ -189,9 +190,7 @@ def _domain_size(domain_size: Any, topology: Any) -> int | None:
             )
     if domain_size is None:
         return None
-    if isinstance(domain_size, bool) or not isinstance(domain_size, numbers.Integral) or domain_size < 1:
-        raise ValueError(f"domain_size must be a positive int (GPUs per NVLink domain), got {domain_size!r}.")
-    return int(domain_size)
+    return check_int("domain_size", domain_size, minimum=1)  # GPUs per NVLink domain
 
 
 def _draw_domains(ax: Any, traffic: Traffic, size: int) -> str:

@@ -4,36 +4,36 @@ vLLM's block-quantized linear layers give every tensor-parallel rank the weight 
 (column parallel) or columns (row parallel) of its shard and the ``weight_scale_inv``
 rows or columns of the same blocks; a split whose shard size is not a multiple of
 the block is refused (``validate_fp8_block_shape``: "input_size_per_partition ... is
-not divisible by block_k"). ``fp8_target`` applies that rule to any Layout: each dim
+not divisible by block_k"). ``fp8_split`` applies that rule to any Layout: each dim
 split into shards of whole blocks has its scale dim split over the same mesh axes;
 a dim whose block is the whole dim (per-tensor or per-channel scales) has one scale
 that every shard of it shares, so that scale dim is replicated.
 
 Example:
   >>> from jreshard.core.fp8 import Fp8Format
-  >>> from jreshard.core.fp8_target import fp8_tp_target
-  >>> t = fp8_tp_target((7168, 2048), tp=8, dim=1)  # a row-parallel down projection
+  >>> from jreshard.core.fp8_split import fp8_tp_split
+  >>> t = fp8_tp_split((7168, 2048), tp=8, dim=1)  # a row-parallel down projection
   >>> t.weight.shard_shape(3), t.scale.shape, t.scale.shard_shape(3)
   ((7168, 256), (56, 16), (56, 2))
-  >>> fp8_tp_target((7168, 2048), tp=32, dim=1)  # doctest: +ELLIPSIS
+  >>> fp8_tp_split((7168, 2048), tp=32, dim=1)  # doctest: +ELLIPSIS
   Traceback (most recent call last):
   ValueError: tp=32 splits dim 1 (size 2048) into shards of 64, which cuts its blocks of 128 ...
 """
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Iterable
 from typing import NamedTuple
 
+from jreshard.core.args import check_int
 from jreshard.core.fp8 import SCALE_DTYPE, Fp8Format
 from jreshard.core.layout import Layout
 from jreshard.core.mesh import Mesh
 
-__all__ = ["Fp8Target", "fp8_target", "fp8_tp_target", "scale_layout"]
+__all__ = ["Fp8Split", "fp8_split", "fp8_tp_split", "scale_layout"]
 
 
-class Fp8Target(NamedTuple):
+class Fp8Split(NamedTuple):
     """The layouts of a quantized tensor on the inference side: FP8 ``weight`` and float32 ``scale``."""
 
     weight: Layout
@@ -65,7 +65,7 @@ def _check(layout: Layout, fmt: Fp8Format, what: str) -> None:
 def scale_layout(layout: Layout, fmt: Fp8Format) -> Layout:
     """The scale grid over ``layout``'s mesh: each dim split as the weight's, whole-dim blocks replicated.
 
-    Where no shard boundary cuts a block (``fp8_target`` checks it), every device holds
+    Where no shard boundary cuts a block (``fp8_split`` checks it), every device holds
     the scales of exactly the blocks its weight shard holds. Where boundaries cut blocks
     (a trainer's FSDP shards), a cut block's scale is placed by the scale grid's own
     split; the cost model uses that as the source of the scales.
@@ -75,12 +75,12 @@ def scale_layout(layout: Layout, fmt: Fp8Format) -> Layout:
     return Layout(fmt.scale_shape(layout.shape), layout.mesh, spec, SCALE_DTYPE)
 
 
-def _target(layout: Layout, fmt: Fp8Format, what: str) -> Fp8Target:
+def _split(layout: Layout, fmt: Fp8Format, what: str) -> Fp8Split:
     _check(layout, fmt, what)
-    return Fp8Target(layout.with_dtype(fmt.dtype), scale_layout(layout, fmt))
+    return Fp8Split(layout.with_dtype(fmt.dtype), scale_layout(layout, fmt))
 
 
-def fp8_target(layout: Layout, fmt: Fp8Format | None = None) -> Fp8Target:
+def fp8_split(layout: Layout, fmt: Fp8Format | None = None) -> Fp8Split:
     """The FP8 weight layout and the ``weight_scale_inv`` layout for a destination ``layout``.
 
     Args:
@@ -96,12 +96,12 @@ def fp8_target(layout: Layout, fmt: Fp8Format | None = None) -> Fp8Target:
     fmt = Fp8Format() if fmt is None else fmt
     if not isinstance(fmt, Fp8Format):
         raise TypeError(f"fmt must be an Fp8Format, got {type(fmt).__name__}.")
-    return _target(layout, fmt, "layout")
+    return _split(layout, fmt, "layout")
 
 
-def fp8_tp_target(shape: tuple[int, ...], tp: int, dim: int | None, fmt: Fp8Format | None = None,
-                  devices: Iterable[int] | None = None) -> Fp8Target:
-    """The FP8 target of one tensor split ``tp`` ways on ``dim`` (``None``: replicated), as vLLM splits it.
+def fp8_tp_split(shape: tuple[int, ...], tp: int, dim: int | None, fmt: Fp8Format | None = None,
+                 devices: Iterable[int] | None = None) -> Fp8Split:
+    """The FP8 split of one tensor cut ``tp`` ways on ``dim`` (``None``: replicated), as vLLM splits it.
 
     Args:
       shape: the weight's shape, ``[out, in]`` for a linear layer (leading dims for stacked experts).
@@ -111,11 +111,9 @@ def fp8_tp_target(shape: tuple[int, ...], tp: int, dim: int | None, fmt: Fp8Form
       fmt: the format; defaults to ``Fp8Format()``.
       devices: the ``tp`` ranks, in order; defaults to ``range(tp)``.
     """
-    if isinstance(tp, bool) or not isinstance(tp, numbers.Integral) or tp < 1:
-        raise ValueError(f"tp must be a positive int, got {tp!r}.")
+    tp = check_int("tp", tp, minimum=1)
     shape = tuple(shape)
-    if dim is not None and (isinstance(dim, bool) or not isinstance(dim, numbers.Integral)
-                            or not 0 <= dim < len(shape)):
+    if dim is not None and not 0 <= check_int("dim", dim) < len(shape):
         raise ValueError(f"dim must be None or a dim of shape {shape} (0 to {len(shape) - 1}), got {dim!r}.")
     ids = list(range(tp) if devices is None else devices)
     if len(ids) != tp:
@@ -126,4 +124,4 @@ def fp8_tp_target(shape: tuple[int, ...], tp: int, dim: int | None, fmt: Fp8Form
     fmt = Fp8Format() if fmt is None else fmt
     if not isinstance(fmt, Fp8Format):
         raise TypeError(f"fmt must be an Fp8Format, got {type(fmt).__name__}.")
-    return _target(Layout(shape, Mesh(ids, ("tp",)), tuple(spec)), fmt, f"tp={tp}")
+    return _split(Layout(shape, Mesh(ids, ("tp",)), tuple(spec)), fmt, f"tp={tp}")

@@ -1,7 +1,9 @@
 """Overlap geometry: every destination shard cut by the source shards it overlaps.
 
-Pieces depend on the shape and the two grids only (not on device ids), so tensors
-that share them share one cached ``Pieces``.
+An *overlap* is the box one destination shard shares with one source shard; the planner
+makes each one a move (or several, split across replicas), and the schedule places moves as
+pieces (docs/glossary.md). Overlaps depend on the shape and the two grids only (not on device
+ids), so tensors that share them share one cached ``Overlaps``.
 """
 
 from __future__ import annotations
@@ -14,15 +16,15 @@ import numpy as np
 
 from jreshard.core.layout import Layout, _grid
 
-__all__ = ["GridKey", "Pieces", "grid_key", "pieces"]
+__all__ = ["GridKey", "Overlaps", "grid_key", "overlaps"]
 
 # (mesh shape, axis names, axes per dim): what a layout's grid depends on.
 GridKey = tuple[tuple[int, ...], tuple[str, ...], tuple[tuple[str, ...], ...]]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Pieces:
-    """Piece m feeds destination mesh position ``dst_pos[m]`` from source shard ``src_shard[m]``.
+class Overlaps:
+    """Row m is the overlap feeding destination mesh position ``dst_pos[m]`` from source shard ``src_shard[m]``.
 
     Rows are grouped by destination position; arrays are read-only.
     """
@@ -49,8 +51,8 @@ def _dim_overlaps(n: int, cs: int, ct: int) -> tuple[np.ndarray, ...]:
 
 
 @functools.lru_cache(maxsize=4096)
-def pieces(shape: tuple[int, ...], src_key: GridKey, dst_key: GridKey) -> Pieces:
-    """The pieces of every destination position for one shape and pair of grids."""
+def overlaps(shape: tuple[int, ...], src_key: GridKey, dst_key: GridKey) -> Overlaps:
+    """The overlaps of every destination position for one shape and pair of grids."""
     src, dst = _grid(shape, *src_key), _grid(shape, *dst_key)
     ndim = len(shape)
     per_dim = [_dim_overlaps(n, cs, ct) for n, cs, ct in zip(shape, src.chunk, dst.chunk, strict=True)]
@@ -70,12 +72,12 @@ def pieces(shape: tuple[int, ...], src_key: GridKey, dst_key: GridKey) -> Pieces
     j_flat, i_flat, lo, hi = j_flat[order], i_flat[order], lo[order], hi[order]
     per_shard = np.bincount(j_flat, minlength=math.prod(dst.parts))
     first = np.concatenate([[0], np.cumsum(per_shard)[:-1]])
-    # Every destination position receives the pieces of its shard.
+    # Every destination position receives the overlaps of its shard.
     want = per_shard[dst.shard_flat]
     dst_pos = np.repeat(np.arange(len(dst.shard_flat), dtype=np.int64), want)
     offsets = np.arange(int(want.sum()), dtype=np.int64) - np.repeat(np.cumsum(want) - want, want)
     rows = np.repeat(first[dst.shard_flat], want) + offsets
-    out = Pieces(
+    out = Overlaps(
         dst_pos=dst_pos,
         src_shard=np.asarray(i_flat, dtype=np.int64)[rows],
         lo=lo[rows],

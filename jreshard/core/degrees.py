@@ -1,30 +1,65 @@
-"""Parallelism degrees of each side of a weight sync, and their parser.
+"""Parallelism degrees of each side of a weight sync: the one degree arithmetic, and its parser.
 
 ``TrainParallel`` holds the training degrees (Megatron / JAX trainers) and
-``InferParallel`` the inference ones (vLLM-style engines); ``parse_degrees`` and
-``parse_parallel`` read them from ``'tp=4,pp=2'`` text. ``jreshard.fleet.presets``
-turns them into layouts; the words are those of its docstring.
+``InferParallel`` the inference ones (vLLM-style engines: ``dp`` engines of ``tp``
+ranks, routed experts over ``ep`` x ``expert_tp``). Both are frozen and check their
+degrees when built; their arithmetic (how many devices, which devices form an engine
+or an expert-parallel group) needs no process group and no mesh, as torchtitan's
+``ParallelDims``. ``parse_degrees`` and ``parse_parallel`` read them from
+``'tp=4,pp=2'`` text. ``jreshard.fleet.presets`` turns them into layouts, the bridge
+(``bridge.plan.rules``, ``bridge.engines.hello``) into rank grids.
 
 Example:
-  >>> from jreshard.fleet.degrees import TrainParallel
+  >>> from jreshard.core.degrees import InferParallel, TrainParallel
   >>> TrainParallel(ep=4, fsdp=2, pp=2).world(32)  # (stage size, dense replicas, expert replicas)
   (16, 8, 2)
+  >>> InferParallel(tp=2, dp=2).engines(range(4, 8)).tolist()  # each engine's TP ranks
+  [[4, 5], [6, 7]]
+  >>> InferParallel(tp=2, dp=2, ep=4).expert_groups(range(4, 8)).tolist()  # one expert block per rank
+  [[4], [5], [6], [7]]
 """
 
 from __future__ import annotations
 
 import dataclasses
-import numbers
+from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["TrainParallel", "InferParallel", "parse_degrees", "parse_parallel"]
+import numpy as np
+
+from jreshard.core.args import check_int
+
+__all__ = ["TrainParallel", "InferParallel", "rank_grid", "parse_degrees", "parse_parallel"]
 
 
 def _check_positive(obj: Any) -> None:
     for f in dataclasses.fields(obj):
-        v = getattr(obj, f.name)
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 1 <= int(v) < 2**63:
-            raise ValueError(f"{type(obj).__name__}.{f.name} must be a positive int below 2**63, got {v!r}.")
+        object.__setattr__(obj, f.name, check_int(f"{type(obj).__name__}.{f.name}", getattr(obj, f.name), minimum=1))
+
+
+def rank_grid(ranks: Any, what: str, *, below: int) -> np.ndarray:
+    """``ranks`` (one list of ranks, or equal-length lists of them) as a 2-D array of distinct ranks in ``[0, below)``.
+
+    Example:
+      >>> from jreshard.core.degrees import rank_grid
+      >>> rank_grid([2, 3], "tp_ranks", below=8).tolist()
+      [[2, 3]]
+    """
+    try:
+        arr = np.asarray(ranks)
+    except ValueError:  # ragged nested lists
+        arr = np.asarray(None)
+    if arr.ndim == 1:
+        arr = arr[None]
+    if arr.ndim != 2 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(
+            f"{what} must be a list of torch ranks (one TP group) or a list of equal-length lists "
+            f"(one per replica or expert-parallel group), got {ranks!r}."
+        )
+    if len(set(arr.ravel().tolist())) != arr.size or (arr < 0).any() or (arr >= below).any():
+        raise ValueError(f"{what} must hold distinct torch ranks in [0, {below}) (inference ranks), "
+                         f"got {arr.tolist()}.")
+    return arr.astype(np.int64)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -101,6 +136,25 @@ class InferParallel:
             raise ValueError(f"inference ep*expert_tp = {self.ep * self.expert_tp} does not divide {gpus} devices; "
                              "make it a divisor of tp*dp.")
 
+    def engines(self, devices: Iterable[int]) -> np.ndarray:
+        """``devices`` (rank order) as ``[dp, tp]``: row ``d`` is engine ``d``'s TP ranks, in TP order."""
+        ids = np.asarray(list(devices), dtype=np.int64)
+        self.check(ids.size)
+        return ids.reshape(self.dp, self.tp)
+
+    def expert_groups(self, devices: Iterable[int]) -> np.ndarray:
+        """The rows routed experts split over: each engine's TP ranks, or with ``splits_experts`` the
+        ``[edp * ep, expert_tp]`` groups of consecutive ranks (row ``r`` of each ``ep`` block holds experts
+        ``[r*E/ep, (r+1)*E/ep)``, split over its ``expert_tp`` ranks)."""
+        ids = self.engines(devices)
+        return ids.reshape(-1, self.expert_tp) if self.splits_experts else ids
+
+    @classmethod
+    def of_grid(cls, grid: Any, *, expert_parallel: bool = False) -> InferParallel:
+        """The degrees of a ``[dp, tp]`` rank grid; ``expert_parallel``: one expert block per rank (vLLM's EP)."""
+        dp, tp = np.shape(grid)
+        return cls(tp=tp, dp=dp, ep=tp * dp if expert_parallel else 1)
+
 
 _KINDS = {"train": TrainParallel, "infer": InferParallel}
 
@@ -118,7 +172,7 @@ def parse_degrees(text: str, kind: str, *, gpus: bool = False) -> dict[str, int]
       ValueError: a pair is malformed, a name unknown, a value not a positive int, or a name repeated.
 
     Example:
-      >>> from jreshard.fleet.presets import parse_degrees
+      >>> from jreshard.core.degrees import parse_degrees
       >>> parse_degrees("tp=8, dp=2", "infer")
       {'tp': 8, 'dp': 2}
     """
@@ -143,7 +197,7 @@ def parse_parallel(text: str, kind: str) -> TrainParallel | InferParallel:
     """Parses ``'tp=4,pp=4,dp=2'`` into a ``TrainParallel`` (``kind='train'``) or ``InferParallel``.
 
     Example:
-      >>> from jreshard.fleet.presets import parse_parallel
+      >>> from jreshard.core.degrees import parse_parallel
       >>> parse_parallel("tp=4,pp=2", "train")
       TrainParallel(tp=4, pp=2, dp=1, cp=1, ep=1, expert_tp=1, fsdp=1)
     """
