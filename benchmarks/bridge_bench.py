@@ -54,7 +54,7 @@ nodes as the executors counted them and the plans' figures. Here every link is t
 so the time shows the cost of the second stage, not a network's saving
 (benchmarks/cluster_bench.py runs the same on shaped links).
 
-Every run also prints where each rank's bridge time goes (``Sender.stats`` / ``Receiver.stats`` of
+Every run also prints where each rank's bridge time goes (``Sender.last_stats`` / ``Receiver.last_stats`` of
 the last repetition: packing, votes, posting, waiting, checksums, unpacking, the commit) and, but
 with ``--hierarchical``, where the two floors' time goes (medians over the repetitions per rank:
 the trainers' relayout, pack copies and raw p2p; the receivers' raw p2p, which includes waiting for
@@ -76,7 +76,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -87,6 +86,8 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 import bridge_report  # noqa: E402 (beside this script)
+
+from tests._procs import free_ports  # noqa: E402 (the repository root is on the path)
 
 TRAINERS, RECEIVERS, WORLD = (0, 1), (2, 3), 4
 NODES = ((2, 3), (4, 5))  # --hierarchical: two nodes of two inference ranks, one replica each
@@ -115,8 +116,8 @@ def _plans(args):
     if args.plain:
         # Same bytes per rank, no layout transform: float32 kept, kernels not transposed (the torch
         # side then holds [in, out] slices). Isolates the bridge's transport and pipeline overhead.
-        rules = [dataclasses.replace(r, transpose=False, shard=1 - r.shard if r.transpose and r.shard is not None
-                                     else r.shard) for r in bridge.llama_rules(cfg, fused=True)]
+        rules = [dataclasses.replace(r, transpose=False, dim=1 - r.dim if r.transpose and r.dim is not None
+                                     else r.dim) for r in bridge.llama_rules(cfg, fused=True)]
         param_map = bridge.tp_param_map(src, rules, list(RECEIVERS), dtype="float32")
     else:
         param_map = bridge.llama_param_map(cfg, src, list(RECEIVERS), fused=True, dtype="bfloat16")
@@ -339,14 +340,13 @@ def worker(args) -> None:
         def pipeline():
             """Every receive posted at once into the default Receiver's held bytes, then its commit: the bridge's
             pipeline with none of its protocol."""
-            held = holder._held
-            hold = holder._held_bytes(held, torch.device("cpu"))
+            side = holder.strategy.begin(torch.device("cpu"))  # a HeldCommit: receives into its held bytes
             works = [group.recv([x], m.src, 0) for m in plan.messages if m.dst == rank
-                     for x in holder._recv_held(held, hold, m, None)]
+                     for x in side.recv(m, torch.empty(0, dtype=torch.uint8))]
             for w in works:
                 w.wait()
             with torch.no_grad():
-                holder._commit_held(held, hold)
+                holder.strategy.commit()
         # checksum: the same receiver; the senders announce digests, the receivers check them
         bridges = {"bridge": receiver, "swap": bridge.Receiver(plan, swapped, rank=rank, timeout=300, swap=True),
                    "inplace": bridge.Receiver(plan, inplace, rank=rank, timeout=300, atomic=False),
@@ -391,7 +391,7 @@ def worker(args) -> None:
         for k, fn in runs.items():
             t = _timed(fn, args.profile and rep == args.reps and k == "bridge")
             if k in bridges:
-                stats[k] = dict(bridges[k].stats, call=call[k])
+                stats[k] = dict(bridge_report.stats_row(bridges[k].last_stats), call=call[k])
             if rep:  # the first repetition warms up (jit compilation, buffers)
                 times[k].append(t)
     _print_stats(rank, stats)
@@ -454,13 +454,13 @@ def hierarchical_worker(args, src, plans) -> None:
         _, params = _jax_params(args, src)
         senders = {m: Sender(p, rank=rank, timeout=300) for m, p in plans.items()}
         run = {m: (lambda s=s: s.sync(params, version=1)) for m, s in senders.items()}
-        stats = {m: s.stats for m, s in senders.items()}
+        synced: dict = senders
     else:
         mine = plans["never"].param_map.for_rank(rank)
         local = {p.name: torch.zeros(p.shape, dtype=getattr(torch, p.dtype)) for p in mine}
         receivers = {m: bridge.Receiver(p, local, rank=rank, timeout=300) for m, p in plans.items()}
         run = {m: r.sync for m, r in receivers.items()}
-        stats = {m: r.stats for m, r in receivers.items()}
+        synced = receivers
     same = True
     for rep in range(args.reps + 1):
         for m in plans:
@@ -472,7 +472,7 @@ def hierarchical_worker(args, src, plans) -> None:
                     direct = {k: v.clone() for k, v in local.items()}
                 else:
                     same = same and all(torch.equal(direct[k], local[k]) for k in local)
-    _print_stats(rank, stats)
+    _print_stats(rank, {m: bridge_report.stats_row(x.last_stats) for m, x in synced.items()})
     if rank == NODES[0][0]:
         out = {"times": times, "same": same, "network_bytes": {m: p.network_bytes for m, p in plans.items()},
                "cross_plan": {m: p.cross_domain_bytes for m, p in plans.items()},
@@ -483,11 +483,6 @@ def hierarchical_worker(args, src, plans) -> None:
     if rank in TRAINERS:
         os._exit(0)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(script: str, world: int, argv: list[str], env: dict[str, str],
@@ -543,7 +538,7 @@ def main() -> None:
     if args.rank >= 0:
         worker(args)
         return
-    port, jport = _free_port(), _free_port()
+    port, jport = free_ports(2)
     env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1",
                XLA_FLAGS="--xla_force_host_platform_device_count=2", PYTHONUNBUFFERED="1")
     common = [f"--layers={args.layers}", f"--hidden={args.hidden}", f"--vocab={args.vocab}",

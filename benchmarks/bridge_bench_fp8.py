@@ -35,7 +35,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from bridge_bench import RECEIVERS, TRAINERS, WORLD, _config, _free_port, _timed, run_ranks  # noqa: E402
+from bridge_bench import RECEIVERS, TRAINERS, WORLD, _config, _timed, run_ranks  # noqa: E402
+
+from tests._procs import free_ports  # noqa: E402 (bridge_bench put the repository root on the path)
 
 MODES = ("fp8", "bf16", "bf16+q", "quantize")
 
@@ -116,7 +118,7 @@ def receiver(args, rank: int, fp8, fp8_plan, bf16_plan, counts: dict) -> dict:
 
     def sync(rec, mode):
         rec.sync()
-        counts[mode] = int(rec.stats["received"])  # the bytes its receives posted
+        counts[mode] = rec.last_stats.received_bytes  # the bytes its receives posted
 
     state = {"held": held, "online": online}
     return {"fp8": lambda: sync(r_fp8, "fp8"), "bf16": lambda: sync(r_bf16, "bf16"), "bf16+q": bf16_then_quantize,
@@ -182,7 +184,7 @@ def main() -> None:
     if args.rank >= 0:
         worker(args)
         return
-    port, jport = _free_port(), _free_port()
+    port, jport = free_ports(2)
     env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1",
                XLA_FLAGS="--xla_force_host_platform_device_count=2", PYTHONUNBUFFERED="1")
     common = [f"--layers={args.layers}", f"--hidden={args.hidden}", f"--vocab={args.vocab}", f"--reps={args.reps}",

@@ -8,7 +8,8 @@ import os
 import platform
 import statistics
 
-__all__ = ["steal", "tagged", "header", "breakdown", "report_hierarchical", "report", "floor_breakdown", "cpu"]
+__all__ = ["steal", "tagged", "header", "stats_row", "breakdown", "report_hierarchical", "report", "floor_breakdown",
+           "cpu"]
 
 
 def steal(before, after) -> str:
@@ -39,8 +40,15 @@ def header() -> None:
 STEPS = ("handshake", "pack", "vote", "post", "wait", "check", "unpack", "commit")
 
 
+def stats_row(s) -> dict:
+    """A Sender's or Receiver's ``last_stats`` (``ExecutionStats``) as the JSON a rank prints: seconds per step,
+    the sync's seconds and its byte counts."""
+    return {**s.step_seconds, "seconds": s.seconds, "sent": s.sent_bytes, "received": s.received_bytes,
+            "cross_domain_sent": s.cross_domain_sent_bytes, "cross_domain_received": s.cross_domain_received_bytes}
+
+
 def breakdown(stats: list[dict]) -> None:
-    """Where each rank's time went in its last bridge sync (Sender.stats / Receiver.stats)."""
+    """Where each rank's time went in its last bridge sync (``stats_row`` of Sender/Receiver ``last_stats``)."""
     print("where the time goes, last repetition, ms per rank (pack: casting, packing and receive set-up; "
           "vote: all_gathers incl. digests of sent pieces; post: posting sends and receives; wait: waiting for the "
           "wire; check: digests of received pieces; commit: shadow -> params; total: the protocol, without the "
@@ -83,7 +91,7 @@ def report(args, cfg, res) -> None:
             else "bfloat16, kernels transposed to torch [out, in]")
     print(f"sync: FSDP4 over 2 trainer processes -> TP2 (fused, padded vocab) on 2 inference ranks, {kind}; "
           f"{nbytes / 1e6:.1f} MB on the wire, {res['buckets']} buckets of {args.bucket_mb} MiB, "
-          f"{res['transfers']} boxes in {res['messages']} messages; bridge result == gather result: "
+          f"{res['moves']} boxes in {res['messages']} messages; bridge result == gather result: "
           f"{res['bridge_equals_gather']}")
     print(f"repetitions: {args.reps} (after one warm-up), medians:")
     for k, label in (("bridge", "bridge (defaults)"), ("swap", "bridge, swap=True"),

@@ -44,7 +44,6 @@ import inspect
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -58,12 +57,14 @@ sys.path[:0] = [HERE, ROOT]
 
 from cluster import Cluster, round_trip, stream_rate, unavailable  # noqa: E402
 
+from tests._procs import free_ports  # noqa: E402 (the repository root is on the path)
+
 NODES, PER_NODE = 4, 2
 TRAINERS, RECEIVERS = (0, 1, 2, 3), (4, 5, 6, 7)  # bridge ranks; rank r sits in node r // PER_NODE
 DOMAINS = [[2 * k, 2 * k + 1] for k in range(NODES)]
 MODES = ("never", "always")
 NAMES = {"never": "direct", "always": "hierarchical"}
-# The steps of a bridge sync that Sender.stats and Receiver.stats time (seconds).
+# The steps of a bridge sync that Sender.last_stats and Receiver.last_stats time (seconds).
 STEPS = ("handshake", "pack", "vote", "post", "wait", "check", "unpack")
 MiB = 1 << 20
 # 8 processes share the machine's cores: XLA runs each on one thread, as OMP_NUM_THREADS=1 does torch.
@@ -111,13 +112,16 @@ def bridge_worker(a) -> None:
     plans = _bridge_plans(a)
     bridge.init_group(rank, len(TRAINERS) + len(RECEIVERS), port=a.port, host=a.master, timeout=600)
 
-    def timed(fn, stats: dict) -> tuple[float, int, int, list[float]]:
-        """Seconds of the slowest rank, cross-node bytes counted by the kernel and by the executors."""
+    def timed(fn, synced) -> tuple[float, int, int, list[float]]:
+        """Seconds of the slowest rank, cross-node bytes counted by the kernel and by the executors (``synced``:
+        the Sender or Receiver that ``fn`` syncs)."""
         dist.barrier()
         c0, t0 = _tx_bytes(), time.perf_counter()
         fn()
         dt = time.perf_counter() - t0
         dist.barrier()
+        st = synced.last_stats
+        stats = {**st.step_seconds, "cross_domain_sent": st.cross_domain_sent_bytes}
         t = torch.tensor([dt], dtype=torch.float64)
         n = torch.tensor([_tx_bytes() - c0 if count else 0, int(stats.get("cross_domain_sent", 0))],
                          dtype=torch.int64)
@@ -154,7 +158,7 @@ def bridge_worker(a) -> None:
         senders = {m: Sender(p, rank=rank, timeout=600) for m, p in plans.items()}
         for rep in range(a.reps + 1):
             for m, s in senders.items():
-                record(m, rep, timed(lambda s=s, rep=rep: s.sync(params, version=rep + 1), getattr(s, "stats", {})))
+                record(m, rep, timed(lambda s=s, rep=rep: s.sync(params, version=rep + 1), s))
     else:
         outs = {}
         receivers = {}
@@ -164,7 +168,7 @@ def bridge_worker(a) -> None:
             receivers[m] = bridge.Receiver(p, outs[m], rank=rank, timeout=600)
         for rep in range(a.reps + 1):
             for m, r in receivers.items():
-                record(m, rep, timed(r.sync, getattr(r, "stats", {})))
+                record(m, rep, timed(r.sync, r))
         first = outs[MODES[0]]
         same = all(torch.equal(first[k], o[k]) for o in outs.values() for k in first)
         nonzero = all(bool(v.any()) for v in first.values())
@@ -273,17 +277,12 @@ def _results(outs: list[str]) -> list[dict]:
     return [json.loads(ln) for ln in lines]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _common(a, cluster: Cluster | None) -> tuple[str, list[str], dict]:
     master = Cluster.addr(0) if cluster else "127.0.0.1"
+    ports = (29500, 29501) if cluster else free_ports(2)
     args = [f"--reps={a.reps}", f"--layers={a.layers}", f"--hidden={a.hidden}", f"--vocab={a.vocab}",
             f"--bucket-mb={a.bucket_mb}", f"--transfer-mb={a.transfer_mb}", f"--master={master}",
-            f"--port={29500 if cluster else _free_port()}", f"--jax-port={29501 if cluster else _free_port()}",
+            f"--port={ports[0]}", f"--jax-port={ports[1]}",
             *(["--count-bytes"] if cluster else [])]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count=1 {ONE_THREAD}", PYTHONPATH=ROOT)
@@ -432,7 +431,7 @@ def _message_probe(a) -> None:
 def message_cost(cluster: Cluster | None) -> float:
     """Seconds of one small gloo message from node 0 to node 2 (half the median send/recv round trip)."""
     master = Cluster.addr(0) if cluster else "127.0.0.1"
-    port = 29400 if cluster else _free_port()
+    port = 29400 if cluster else free_ports(1)[0]
     argv = [sys.executable, __file__, f"--master={master}", f"--port={port}", "--message-rank"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     return _results(_launch(cluster, [(0, [*argv, "0"]), (2, [*argv, "1"])], env, 180))[0]["rtt"] / 2

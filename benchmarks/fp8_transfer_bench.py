@@ -100,9 +100,9 @@ def main() -> None:
     bf16_bytes = jreshard.plan(params, target).stats().network_bytes
     q_src, s_src = quantize_tree(params, fp8_rule)
     fp8_leaves = {**q_src, **{f"{k}_scale_inv": v for k, v in s_src.items() if v is not None}}
-    fp8_target = {**target, **{f"{k}_scale_inv": scale_sharding(target[k], params[k].shape, fmt)
-                               for k, v in s_src.items() if v is not None}}
-    fp8_wire = jreshard.plan(fp8_leaves, fp8_target).stats().network_bytes
+    fp8_shardings = {**target, **{f"{k}_scale_inv": scale_sharding(target[k], params[k].shape, fmt)
+                                  for k, v in s_src.items() if v is not None}}
+    fp8_wire = jreshard.plan(fp8_leaves, fp8_shardings).stats().network_bytes
     reduces = [(amax_reduce(params[k].sharding, params[k].shape, fmt), len(params[k].sharding.device_set))
                for k, v in s_src.items() if v is not None]
     amax_bytes = sum(r.nbytes * n for r, n in reduces if r is not None)

@@ -23,7 +23,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import sys  # noqa: E402
 
 import jreshard  # noqa: E402
-from jreshard import cost, scenario  # noqa: E402
+from jreshard.fleet import cost, scenario  # noqa: E402
 from jreshard.fleet.layer import format_layer, predict_layer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

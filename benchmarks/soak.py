@@ -28,7 +28,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,6 +37,8 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+
+from tests._procs import free_ports  # noqa: E402 (the repository root is on the path)
 
 TRAINERS, RECEIVERS, WORLD = (0, 1), (2, 3), 4
 
@@ -186,11 +187,6 @@ def transfer_worker(args) -> None:
     print("RESULT " + json.dumps(res), flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _run(cmds: list[list[str]], env: dict, timeout: float) -> list[dict]:
     procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -242,7 +238,7 @@ def main() -> None:
     common = [f"--rounds={args.rounds}", f"--transfers={args.transfers}", f"--layers={args.layers}",
               f"--hidden={args.hidden}", f"--vocab={args.vocab}", f"--bucket-mb={args.bucket_mb}"]
     env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    port, jport = _free_port(), _free_port()
+    port, jport = free_ports(2)
     t0 = time.perf_counter()
     ranks = _run([[sys.executable, __file__, f"--rank={r}", f"--port={port}", f"--jax-port={jport}", *common]
                   for r in range(WORLD)], dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=2"),

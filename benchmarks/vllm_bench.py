@@ -35,13 +35,19 @@ from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests._procs import free_ports  # noqa: E402 (the repository root is on the path)
+from tests.helpers import hf_state  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 # ------------------------------------------------------------------ bytes from plans (pure)
 def planner_only() -> None:
     from bridge import Source, trainer_mesh
-    from bridge.engines.hello import EngineShape, Recipe, build_param_map, bytes_per_worker
+    from bridge.engines.hello import EngineShape, build_param_map
+    from bridge.engines.vllm.baselines import bytes_per_worker
+    from bridge.recipes import Recipe
     from jreshard.nn import LlamaConfig, MoeConfig, fsdp_spec, param_shapes
 
     models = [("Qwen3-32B", LlamaConfig.load("qwen3-32b"), Recipe.llama),
@@ -124,31 +130,6 @@ def timed_processing(model: Any, clock: dict[str, float]):
 
 
 # ------------------------------------------------------------------ the live run
-def hf_names(flat: dict[str, Any], layers: int) -> dict[str, Any]:
-    """Flax leaves (jreshard.nn) to Hugging Face tensors, checkpoint format (what the nccl backend sends)."""
-    out = {"model.embed_tokens.weight": flat["embed/embedding"], "model.norm.weight": flat["final_norm/scale"],
-           "lm_head.weight": flat["lm_head/kernel"].T}
-    for i in range(layers):
-        j, h = f"layers_{i}/", f"model.layers.{i}."
-        for n in "qkvo":
-            out[h + f"self_attn.{n}_proj.weight"] = flat[j + f"attn/{n}_proj/kernel"].T
-        for n in "qk":
-            out[h + f"self_attn.{n}_norm.weight"] = flat[j + f"attn/{n}_norm/scale"]
-        for n in ("gate", "up", "down"):
-            out[h + f"mlp.{n}_proj.weight"] = flat[j + f"mlp/{n}_proj/kernel"].T
-        out[h + "input_layernorm.weight"] = flat[j + "input_norm/scale"]
-        out[h + "post_attention_layernorm.weight"] = flat[j + "post_attention_norm/scale"]
-    return out
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def live(args: argparse.Namespace) -> None:
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -167,8 +148,8 @@ def live(args: argparse.Namespace) -> None:
     from vllm.config import WeightTransferConfig
 
     from bridge.engines.group import close_group, open_group
-    from bridge.engines.hello import bytes_per_worker
     from bridge.engines.vllm import LLMClient, Recipe, VLLMWeightSync
+    from bridge.engines.vllm.baselines import bytes_per_worker
     from jreshard.nn import LlamaConfig, fsdp_spec, init_params
 
     cfg = (LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
@@ -199,17 +180,17 @@ def live(args: argparse.Namespace) -> None:
         return [list(o.outputs[0].token_ids) for o in outs]
 
     sync = VLLMWeightSync(Recipe.llama(cfg), workers=2, client=LLMClient(llm), rank=0, trainers=1,
-                          port=free_port(), timeout=300.0, ready_timeout=300.0)
+                          port=free_ports(1)[0], timeout=300.0, ready_timeout=300.0)
     t0 = time.perf_counter()
     report = sync.sync(params, 1)  # opens the group, plans, first sync
     first = time.perf_counter() - t0
     assert sync.plan is not None
     plan_bytes = bytes_per_worker(sync.plan.param_map, sync.plan.source)
     flat = {keystr(k, simple=True, separator="/"): x for k, x in tree_flatten_with_path(params)[0]}
-    specs = [(n, list(a.shape), "float32") for n, a in hf_names(flat, cfg.num_hidden_layers).items()]
+    specs = [(n, list(a.shape), "float32") for n, a in hf_state(flat, cfg).items()]
 
     def baseline() -> dict[str, Any]:
-        port, replies = free_port(), []
+        port, replies = free_ports(1)[0], []
         t0 = time.perf_counter()
         worker_call = threading.Thread(target=lambda: replies.extend(llm.collective_rpc(
             me.receive_full, args=("127.0.0.1", port, 3, specs))))
@@ -218,7 +199,7 @@ def live(args: argparse.Namespace) -> None:
         t1 = time.perf_counter()
         full = {k: np.asarray(jax.device_get(x)) for k, x in flat.items()}  # the gather: every full tensor
         t2 = time.perf_counter()
-        for a in hf_names(full, cfg.num_hidden_layers).values():
+        for a in hf_state(full, cfg).values():
             dist.broadcast(torch.from_numpy(np.require(a, requirements=["C", "W"])), src=0, group=pg)
         t3 = time.perf_counter()
         worker_call.join()

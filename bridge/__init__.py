@@ -24,8 +24,6 @@ folder             what lives there                                            i
 
 from __future__ import annotations
 
-from typing import Any
-
 from bridge.errors import PlanMismatchError, SyncError
 from bridge.plan.bridge_plan import BridgePlan, Message, ParamMove, Piece, Segment
 from bridge.plan.dtensor import dtensor_params
@@ -35,6 +33,7 @@ from bridge.plan.rules import Rule, tp_param_map
 from bridge.plan.source import SOURCE_BASE, Source, source_id, split_source_id, trainer_mesh
 from bridge.recipes.llama import llama_param_map, llama_rules
 from bridge.recipes.qwen3_moe import qwen3_moe_param_map, qwen3_moe_rules
+from jreshard.core.lazy import lazy_attributes
 
 __all__ = [
     "BridgePlan",
@@ -71,19 +70,11 @@ __all__ = [
 # torch-side names, imported on first use (they import torch, never jax).
 _LAZY: dict[str, str] = {
     "Receiver": "bridge.wire.receiver",
-    "init_group": "bridge.wire.session",
+    "init_group": "bridge.wire.group",
     "reject_sync": "bridge.wire.session",
-    "rebuild_group": "bridge.wire.session",
+    "rebuild_group": "bridge.wire.group",
     "dtensor_param_map": "bridge.wire.receiver",
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'bridge' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes('bridge', _LAZY, globals=globals())

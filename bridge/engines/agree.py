@@ -1,9 +1,9 @@
-"""The plan every rank of a sync group agrees on from the handshake's descriptions (torch only, no vLLM, no jax).
+"""The plan every rank of a sync group agrees on from everyone's hello (torch only, no engine, no jax).
 
-When the engine serves a block-FP8 model (its workers' descriptions carry the format,
+When the engine serves a block-FP8 model (its workers' hellos carry the format,
 ``bridge.engines.fp8.fp8_hello``), the recipe's param map becomes its FP8 sync
 (``fp8_sync_map``: FP8 weights and ``weight_scale_inv`` scales where the engine holds
-FP8) over the quantized source, and that is what is checked against the targets and
+FP8) over the quantized source, and that is what is checked against the engine params and
 planned; the trainer quantizes with the agreement's ``fp8``. Otherwise the plan is the
 recipe's param map as it is.
 """
@@ -16,24 +16,24 @@ from typing import Any
 from bridge.engines.fp8 import fp8_from_hellos, fp8_sync_map
 from bridge.engines.hello import (
     PROTOCOL,
-    Recipe,
-    Target,
     build_param_map,
-    check_targets,
+    check_engine_params,
+    engine_params_of,
     engine_shape,
     resolve_names,
     source_from_data,
 )
+from bridge.errors import PlanMismatchError
 from bridge.plan.bridge_plan import BridgePlan
 from bridge.plan.fp8 import Fp8ParamMap
-from bridge.wire.session import PlanMismatchError
+from bridge.recipes.recipe import Recipe
 
 __all__ = ["Agreement", "agree", "plan_from_hellos"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Agreement:
-    """What every rank takes from the handshake.
+    """What every rank takes from the hellos.
 
     Attributes:
       plan: the sync plan (over the quantized source when the engine is FP8).
@@ -46,14 +46,14 @@ class Agreement:
 
 
 def agree(hellos: list[dict[str, Any]]) -> Agreement:
-    """The sync plan (and FP8 sync) every rank builds from the handshake; refuses a mismatch on every rank alike.
+    """The sync plan (and FP8 sync) every rank builds from the hellos; refuses a mismatch on every rank alike.
 
     Raises:
-      PlanMismatchError: the descriptions disagree (protocol, leaves, recipe or FP8 format against the targets).
+      PlanMismatchError: the hellos disagree (protocol, leaves, recipe or FP8 format against the engine params).
     """
     versions = {h.get("protocol") for h in hellos}
     if versions != {PROTOCOL}:
-        raise PlanMismatchError(f"the ranks speak handshake protocols {sorted(map(str, versions))}; "
+        raise PlanMismatchError(f"the ranks speak hello protocols {sorted(map(str, versions))}; "
                                 "run one jreshard version everywhere.")
     lead = hellos[0]
     if lead.get("role") != "trainer" or "leaves" not in lead:
@@ -67,19 +67,19 @@ def agree(hellos: list[dict[str, Any]]) -> Agreement:
         fmt = fp8_from_hellos(workers)
     except ValueError as e:
         raise PlanMismatchError(f"the trainer's leaves and recipe do not fit the engine: {e}") from None
-    targets = {h["rank"]: [Target(n, tuple(s), d) for n, s, d in h["targets"]] for h in workers}
-    param_map = resolve_names(param_map, targets)
+    engine_params = {h["rank"]: engine_params_of(h) for h in workers}
+    param_map = resolve_names(param_map, engine_params)
     fp8 = None
     if fmt is not None:
         try:
-            fp8 = fp8_sync_map(source, param_map, targets, fmt)
+            fp8 = fp8_sync_map(source, param_map, engine_params, fmt)
         except ValueError as e:
             raise PlanMismatchError(f"the trainer's leaves and recipe do not fit the FP8 engine ({fmt}): {e}") from None
-        fp8 = dataclasses.replace(fp8, param_map=resolve_names(fp8.param_map, targets))  # scales nest as weights
+        fp8 = dataclasses.replace(fp8, param_map=resolve_names(fp8.param_map, engine_params))  # scales nest as weights
         source, param_map = fp8.source, fp8.param_map
-    problems = check_targets(param_map, targets)
+    problems = check_engine_params(param_map, engine_params)
     if problems:
-        raise PlanMismatchError("the trainer's leaves and recipe do not match the vLLM engine; nothing was sent: "
+        raise PlanMismatchError("the trainer's leaves and recipe do not match the engine; nothing was sent: "
                                 + "; ".join(problems[:6]) + (f" (and {len(problems) - 6} more)" if len(problems) > 6
                                                             else ""))
     return Agreement(BridgePlan(source, param_map, bucket_bytes=int(lead["bucket_bytes"])), fp8)

@@ -1,16 +1,16 @@
-"""FP8 models in the vLLM backend: the engine's block format and the FP8 sync of a recipe.
+"""FP8 engines: the engine's block format, its workers' FP8 hello and the FP8 sync of a recipe (pure).
 
 An engine that serves a block-quantized FP8 checkpoint (``quantization_config``
 ``{"quant_method": "fp8", "weight_block_size": [n, k]}``) holds, per linear layer and
 rank, ``weight`` as ``float8_e4m3fn`` ``[out/tp, in]`` (or ``[out, in/tp]``) and
 ``weight_scale_inv`` float32 ``[ceil(out/tp/n), ceil(in/k)]`` (vLLM's
-``Fp8LinearMethod`` and ``BlockQuantScaleParameter``); these are its logical targets
-(``bridge.engines.vllm.model.live_targets``), and ``write_layers`` puts new FP8 weights and
+``Fp8LinearMethod`` and ``BlockQuantScaleParameter``); these are its engine params
+(``bridge.engines.vllm.model.live_params``), and ``write_layers`` puts new FP8 weights and
 scales into them and reruns the layer's post-load processing (the CPU kernel's weight
 packing) as for any other weights. The sync differs in one place: its param map is
 ``fp8_sync_map``, the recipe's param map made FP8 exactly for the params the engine
 holds in FP8 (``bridge.fp8_param_map``, with the engine's block). FP8 weights travel as
-``float8_e4m3fn``, so ``check_targets`` compares that map with the targets as it is, and
+``float8_e4m3fn``, so ``check_engine_params`` compares that map with the engine params as it is, and
 the received tensors go to ``write_layers`` as they arrive.
 
 The trainer quantizes with ``bridge.trainer.fp8.quantize_params(params, fp8)`` on the
@@ -24,8 +24,8 @@ Example:
   >>> engine_fp8_format(None) is None
   True
 
-The handshake: a worker of an FP8 engine adds ``fp8_hello(quant_config)`` to its
-description (nothing when the model is not FP8, so that hello is unchanged), and every
+The hello: a worker of an FP8 engine adds ``fp8_hello(quant_config)`` to its
+hello (nothing when the model is not FP8, so that hello is unchanged), and every
 rank reads the engine's format back with ``fp8_from_hellos``:
 
   >>> from bridge.engines.fp8 import fp8_from_hellos, fp8_hello
@@ -41,7 +41,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from bridge.engines.hello import Target
+from bridge.engines.hello import EngineParam
 from bridge.plan.fp8 import Fp8ParamMap, fp8_param_map
 from bridge.plan.param_map import ParamMap
 from bridge.plan.source import Source
@@ -78,22 +78,22 @@ def engine_fp8_format(quant_config: Mapping[str, Any] | None) -> Fp8Format | Non
     return Fp8Format(block=tuple(block), dtype=_FORMATS[fmt])
 
 
-def fp8_sync_map(source: Source, param_map: ParamMap, targets: Mapping[int, Sequence[Target]],
+def fp8_sync_map(source: Source, param_map: ParamMap, engine_params: Mapping[int, Sequence[EngineParam]],
                  fmt: Fp8Format) -> Fp8ParamMap:
-    """The FP8 sync of a recipe's ``param_map``: quantized exactly where the engine's target is FP8.
+    """The FP8 sync of a recipe's ``param_map``: quantized exactly where the engine's param is FP8.
 
     Args:
       source: the trainer's leaves.
       param_map: the recipe's params (``build_param_map``, names resolved).
-      targets: every worker's live targets.
+      engine_params: every worker's engine params.
       fmt: the engine's format (``engine_fp8_format``).
     """
-    fp8_names = {t.name for live in targets.values() for t in live if t.dtype == fmt.dtype}
+    fp8_names = {t.name for live in engine_params.values() for t in live if t.dtype == fmt.dtype}
     return fp8_param_map(source, param_map, fmt, quantize=lambda name: name in fp8_names)
 
 
 def fp8_hello(quant_config: Any) -> dict[str, Any]:
-    """A worker's FP8 entry of its handshake description: ``{}`` when the model is not FP8.
+    """A worker's FP8 entry of its hello: ``{}`` when the model is not FP8.
 
     ``{"fp8": {"block": [n, k], "dtype": ...}}`` for a block-FP8 model; a config the sync
     cannot fill gives ``{"fp8": {"error": ...}}``, so that every rank refuses the plan
@@ -111,7 +111,7 @@ def fp8_hello(quant_config: Any) -> dict[str, Any]:
 
 
 def fp8_from_hellos(workers: Sequence[Mapping[str, Any]]) -> Fp8Format | None:
-    """The engine's FP8 format from its workers' descriptions; ``None`` when none is FP8.
+    """The engine's FP8 format from its workers' hellos; ``None`` when none is FP8.
 
     Raises:
       ValueError: a worker's model is FP8 in a form the sync cannot fill, or the workers disagree.
@@ -122,7 +122,7 @@ def fp8_from_hellos(workers: Sequence[Mapping[str, Any]]) -> Fp8Format | None:
         raise ValueError(errors[0])
     formats = {None if e is None else (tuple(e["block"]), e["dtype"]) for e in entries}
     if len(formats) != 1:
-        raise ValueError(f"the vLLM workers disagree on the FP8 format (block, dtype): "
+        raise ValueError(f"the engine's workers disagree on the FP8 format (block, dtype): "
                          f"{sorted(map(str, formats))}; serve one checkpoint on every worker.")
     (only,) = formats
     if only is None:

@@ -22,24 +22,29 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from bridge.wire import alarm as _alarm
+from bridge.wire.group import all_gather_bytes
+from jreshard.core.args import check_int
+from jreshard.core.execution import ExecutionStats
 
-__all__ = ["open_group", "close_group", "all_gather_json", "all_gather_ints", "wire_seconds"]
+__all__ = ["open_group", "close_group", "all_gather_json", "wire_seconds"]
 
 _STORES: dict[dist.ProcessGroup, dist.TCPStore] = {}
 
-# The wire's steps a rank reports per sync (``bridge.wire.session.run_sync``'s stats, in seconds).
+# The wire's steps a rank reports per sync (``ExecutionStats.step_seconds`` of a Sender's or Receiver's sync).
 _WIRE_STEPS = ("handshake", "pack", "vote", "post", "wait")
 
 
-def wire_seconds(stats: dict[str, float]) -> dict[str, float]:
-    """The seconds a ``Sender``'s or ``Receiver``'s last sync spent in each wire step, as a sync reports them.
+def wire_seconds(stats: ExecutionStats) -> dict[str, float]:
+    """The seconds a ``Sender``'s or ``Receiver``'s last sync (its ``last_stats``) spent in each wire step.
 
     Example:
       >>> from bridge.engines.group import wire_seconds
-      >>> wire_seconds({"pack": 0.5, "wait": 0.25, "sent": 4096.0})  # byte counts are left out
+      >>> from jreshard.core.args import check_int
+from jreshard.core.execution import ExecutionStats
+      >>> wire_seconds(ExecutionStats(sent_bytes=4096, step_seconds={"pack": 0.5, "wait": 0.25}))
       {'handshake': 0.0, 'pack': 0.5, 'vote': 0.0, 'post': 0.0, 'wait': 0.25}
     """
-    return {k: float(stats.get(k, 0.0)) for k in _WIRE_STEPS}
+    return {k: float(stats.step_seconds.get(k, 0.0)) for k in _WIRE_STEPS}
 
 
 def open_group(host: str, port: int, rank: int, world_size: int, *, timeout: float,
@@ -49,9 +54,9 @@ def open_group(host: str, port: int, rank: int, world_size: int, *, timeout: flo
     Blocks until every rank joined or ``timeout`` seconds passed. The group is not the
     default group: pass it as ``group=`` to the bridge's ``Sender``/``Receiver``.
     """
-    for arg, v in (("rank", rank), ("world_size", world_size), ("port", port)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"{arg} must be a non-negative int, got {v!r}.")
+    rank = check_int("rank", rank)
+    world_size = check_int("world_size", world_size, minimum=1)
+    port = check_int("port", port, maximum=65535)
     if not rank < world_size:
         raise ValueError(f"rank {rank} must be below world_size {world_size}.")
     delta = datetime.timedelta(seconds=timeout)
@@ -82,7 +87,7 @@ def close_group(pg: dist.ProcessGroup | None) -> None:
 
 
 def _wait(work: Any, timeout: float, what: str) -> None:
-    from bridge.wire.session import SyncError
+    from bridge.errors import SyncError
 
     try:
         work.wait(datetime.timedelta(seconds=timeout))
@@ -90,22 +95,8 @@ def _wait(work: Any, timeout: float, what: str) -> None:
         raise SyncError(f"{what} failed within {timeout:g} s: {e}") from e
 
 
-def all_gather_ints(values: list[int], pg: dist.ProcessGroup, *, timeout: float, what: str) -> list[list[int]]:
-    """Every rank's list of ints (all lists have the same length)."""
-    mine = torch.tensor(values, dtype=torch.int64)
-    out = [torch.empty_like(mine) for _ in range(pg.size())]
-    _wait(dist.all_gather(out, mine, group=pg, async_op=True), timeout, what)
-    return [t.tolist() for t in out]
-
-
 def all_gather_json(data: Any, pg: dist.ProcessGroup, *, timeout: float, what: str) -> list[Any]:
     """Every rank's JSON-ready ``data``, in rank order (plain data: no pickles cross the wire)."""
     raw = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
-    sizes = all_gather_ints([len(raw)], pg, timeout=timeout, what=what)
-    longest = max(s[0] for s in sizes)
-    padded = torch.zeros(max(longest, 1), dtype=torch.uint8)
-    if raw:
-        padded[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    out = [torch.empty_like(padded) for _ in range(pg.size())]
-    _wait(dist.all_gather(out, padded, group=pg, async_op=True), timeout, what)
-    return [json.loads(t[:s[0]].numpy().tobytes().decode()) for t, s in zip(out, sizes, strict=True)]
+    out = all_gather_bytes(raw, pg, pg.size(), lambda work: _wait(work, timeout, what))
+    return [json.loads(r.decode()) for r in out]

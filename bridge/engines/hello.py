@@ -1,19 +1,28 @@
-"""What trainers and vLLM workers tell each other before a sync, as plain data (pure: no torch, no jax).
+"""What trainers and an engine's workers tell each other before a sync: their hellos, as plain data (pure).
 
-Trainer rank 0 describes its leaves (path, shape, dtype, spec, and the mesh as source
-ids in the trainer's real device order) and its ``Recipe`` (the rules that turn leaves
-into vLLM params); every worker describes its place in the engine (TP rank and size,
-data-parallel replica, expert parallelism, dtype) and its targets: the name, per-rank
-shape and dtype of every parameter its live model loads, in vLLM's logical layout.
-Everything is JSON-ready; every rank receives every description, builds the same
-``ParamMap`` from them and checks it against every worker's targets, so a mismatch
-is refused on every rank before any byte moves.
+Trainer rank 0's hello describes its leaves (path, shape, dtype, spec, and the mesh as
+source ids in the trainer's real device order) and its ``bridge.recipes.Recipe``; every
+worker's hello describes its place in the engine (TP rank and size, data-parallel
+replica, expert parallelism, dtype) and its engine params (``EngineParam``: the name,
+per-rank shape and dtype of every parameter its live model loads, in the engine's
+logical layout). Everything is JSON-ready; every rank receives every hello, builds the
+same ``ParamMap`` from them and checks it against every worker's engine params
+(``bridge.engines.agree``), so a mismatch is refused on every rank before any byte moves.
+No torch, no jax, no engine: an engine's folder only says what goes into its workers' hellos.
+
+Example:
+  >>> from bridge.engines.hello import EngineParam, engine_params_of, worker_hello
+  >>> hello = worker_hello(rank=2, replica=0, tp_rank=0, tp=1, replicas=1, expert_parallel=False,
+  ...                      dtype="float32", params=[EngineParam("model.norm.weight", (64,), "float32")])
+  >>> hello["role"], hello["params"]
+  ('worker', [['model.norm.weight', [64], 'float32']])
+  >>> engine_params_of(hello)
+  [EngineParam(name='model.norm.weight', shape=(64,), dtype='float32')]
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -21,98 +30,27 @@ from typing import Any
 import numpy as np
 
 from bridge.plan.param_map import ParamMap
-from bridge.plan.rules import Rule, tp_param_map
-from bridge.plan.source import Source
+from bridge.plan.rules import tp_param_map
+from bridge.plan.source import SOURCE_BASE, Source
+from bridge.recipes.recipe import Recipe
+from jreshard.core.args import check_flag, check_int
+from jreshard.core.degrees import InferParallel, rank_grid
 from jreshard.core.layout import Layout
 from jreshard.core.mesh import Mesh
 
-__all__ = ["Recipe", "EngineShape", "Target", "source_to_data", "source_from_data", "build_param_map", "engine_shape",
-           "resolve_names", "check_targets", "bytes_per_worker", "PROTOCOL"]
+__all__ = ["EngineParam", "EngineShape", "PROTOCOL", "build_param_map", "check_engine_params", "engine_params_of",
+           "engine_shape", "resolve_names", "source_from_data", "source_to_data", "trainer_hello", "worker_hello",
+           "worker_rank"]
 
-PROTOCOL = 1  # bumped when the descriptions change shape
-
-
-def _rule_to_data(rule: Rule) -> dict[str, Any]:
-    out = {}
-    for f in dataclasses.fields(Rule):
-        v = getattr(rule, f.name)
-        out[f.name] = list(v) if isinstance(v, tuple) else v
-    return out
-
-
-def _rule_from_data(data: Mapping[str, Any]) -> Rule:
-    kw = dict(data)
-    if isinstance(kw.get("transpose"), list):
-        kw["transpose"] = tuple(kw["transpose"])
-    return Rule(**kw)
+PROTOCOL = 2  # bumped when the hellos change shape (2: a worker's engine params under "params")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Recipe:
-    """How the trainer's leaves become vLLM params: rules split over each TP group, expert rules, tying.
+class EngineParam:
+    """A parameter of one worker's live model, as its engine loads it: name, per-rank logical shape, dtype.
 
-    Args:
-      rules: rules applied over every tensor-parallel group (attention, dense MLP, norms,
-        embeddings); the first rule whose pattern matches a leaf applies.
-      expert_rules: rules of routed experts split over each TP group (the engine without
-        expert parallelism).
-      ep_expert_rules: the same experts split linearly over the engine's ranks (vLLM's
-        ``enable_expert_parallel``: one row per rank, experts whole); used when the engine has
-        expert parallelism.
-      tie_lm_head: the engine has an ``lm_head.weight`` filled from the embedding.
+    What a sync must fill on that worker; the plan's ``bridge.Param`` of the same name must match it.
     """
-
-    rules: tuple[Rule, ...]
-    expert_rules: tuple[Rule, ...] = ()
-    ep_expert_rules: tuple[Rule, ...] = ()
-    tie_lm_head: bool = False
-
-    def __post_init__(self) -> None:
-        for what in ("rules", "expert_rules", "ep_expert_rules"):
-            value = tuple(getattr(self, what))
-            for r in value:
-                if not isinstance(r, Rule):
-                    raise TypeError(f"Recipe {what} must hold bridge.Rule, got {type(r).__name__}.")
-            object.__setattr__(self, what, value)
-
-    @classmethod
-    def llama(cls, config: Any, *, vocab_pad: int = 64) -> Recipe:
-        """``jreshard.nn``'s Llama/Qwen3 model as vLLM names it (fused ``qkv_proj`` and ``gate_up_proj``)."""
-        from bridge.recipes.llama import llama_rules
-
-        return cls(tuple(llama_rules(config, fused=True, vocab_pad=vocab_pad)),
-                   tie_lm_head=bool(config.tie_word_embeddings))
-
-    @classmethod
-    def qwen3_moe(cls, config: Any, *, vocab_pad: int = 64, names: dict[str, str] | None = None) -> Recipe:
-        """``jreshard.nn``'s Qwen3-MoE model as vLLM names it (``FusedMoE`` ``w13_weight``/``w2_weight``).
-
-        ``names`` overrides the expert param templates (see ``bridge.recipes.qwen3_moe.expert_rules``);
-        where vLLM nests the experts one module deeper the workers find them (``resolve_names``).
-        """
-        from bridge.recipes.qwen3_moe import expert_rules, qwen3_moe_rules
-
-        experts = tuple(expert_rules(target="vllm", names=names))
-        dense = tuple(r for r in qwen3_moe_rules(config, names=names, vocab_pad=vocab_pad) if r not in experts)
-        return cls(dense, experts, tuple(expert_rules(target="vllm", names=names, ep=True)),
-                   bool(config.tie_word_embeddings))
-
-    def to_data(self) -> dict[str, Any]:
-        return {"rules": [_rule_to_data(r) for r in self.rules],
-                "expert_rules": [_rule_to_data(r) for r in self.expert_rules],
-                "ep_expert_rules": [_rule_to_data(r) for r in self.ep_expert_rules], "tie_lm_head": self.tie_lm_head}
-
-    @classmethod
-    def from_data(cls, data: Mapping[str, Any]) -> Recipe:
-        def rules(key: str) -> tuple[Rule, ...]:
-            return tuple(_rule_from_data(r) for r in data[key])
-
-        return cls(rules("rules"), rules("expert_rules"), rules("ep_expert_rules"), bool(data["tie_lm_head"]))
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Target:
-    """A parameter of one worker's live model: its name, per-rank logical shape and dtype."""
 
     name: str
     shape: tuple[int, ...]
@@ -130,15 +68,24 @@ class EngineShape:
     expert_parallel: bool
     dtype: str
 
+    def __post_init__(self) -> None:
+        grid = rank_grid(self.ranks, "EngineShape ranks", below=SOURCE_BASE)
+        object.__setattr__(self, "ranks", tuple(tuple(g) for g in grid.tolist()))
+        object.__setattr__(self, "expert_parallel", check_flag("EngineShape expert_parallel", self.expert_parallel))
+
+    @property
+    def degrees(self) -> InferParallel:
+        """The engine's degrees (``jreshard.core.degrees``): ``dp`` replicas of ``tp`` ranks, and under
+        expert parallelism one block of experts per rank (vLLM's ``enable_expert_parallel``)."""
+        return InferParallel.of_grid(self.ranks, expert_parallel=self.expert_parallel)
+
     @property
     def tp(self) -> int:
-        return len(self.ranks[0])
+        return self.degrees.tp
 
     def expert_grid(self) -> list[list[int]]:
         """The rank grid the expert rules split over: each TP group, or one row per rank under EP."""
-        if not self.expert_parallel:
-            return [list(g) for g in self.ranks]
-        return [[r] for g in self.ranks for r in g]
+        return self.degrees.expert_groups(np.ravel(self.ranks)).tolist()
 
 
 def source_to_data(source: Source) -> dict[str, Any]:
@@ -152,12 +99,52 @@ def source_to_data(source: Source) -> dict[str, Any]:
 
 
 def source_from_data(data: Mapping[str, Any]) -> Source:
+    """The ``Source`` of ``source_to_data``'s plain data."""
     leaves = {}
     for path, d in data.items():
         mesh = Mesh(np.asarray(d["mesh"], dtype=np.int64), tuple(d["axes"]))
         spec = tuple(tuple(s) if isinstance(s, list) else s for s in d["spec"])
         leaves[path] = Layout(tuple(d["shape"]), mesh, spec, d["dtype"])
     return Source(leaves)
+
+
+def trainer_hello(rank: int, *, source: Source | None = None, recipe: Recipe | None = None,
+                  bucket_bytes: int | None = None) -> dict[str, Any]:
+    """A trainer rank's hello: trainer rank 0 also gives the leaves, the recipe and the bucket size."""
+    hello: dict[str, Any] = {"role": "trainer", "protocol": PROTOCOL, "rank": check_int("rank", rank)}
+    if rank == 0:
+        if source is None or recipe is None or bucket_bytes is None:
+            raise ValueError("trainer rank 0's hello needs source, recipe and bucket_bytes; give all three.")
+        hello.update(leaves=source_to_data(source), recipe=recipe.to_data(),
+                     bucket_bytes=check_int("bucket_bytes", bucket_bytes, minimum=1))
+    return hello
+
+
+def worker_rank(trainers: int, replica: int, tp_rank: int, tp: int) -> int:
+    """A worker's rank in the sync group: trainers first, then the workers in (replica, TP rank) order."""
+    tp = check_int("tp", tp, minimum=1)
+    replica, tp_rank = check_int("replica", replica), check_int("tp_rank", tp_rank, maximum=tp - 1)
+    return check_int("trainers", trainers) + replica * tp + tp_rank
+
+
+def worker_hello(*, rank: int, replica: int, tp_rank: int, tp: int, replicas: int, expert_parallel: bool,
+                 dtype: str, params: Sequence[EngineParam], extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A worker's hello: its place in the engine and its engine params (``extra``: engine-specific entries).
+
+    ``extra`` carries what only some engines send, e.g. the FP8 format (``bridge.engines.fp8.fp8_hello``).
+    """
+    hello = {"role": "worker", "protocol": PROTOCOL, "rank": check_int("rank", rank),
+             "replica": check_int("replica", replica), "tp_rank": check_int("tp_rank", tp_rank),
+             "tp": check_int("tp", tp, minimum=1), "replicas": check_int("replicas", replicas, minimum=1),
+             "expert_parallel": bool(expert_parallel), "dtype": str(dtype),
+             "params": [[p.name, list(p.shape), p.dtype] for p in params]}
+    hello.update(extra or {})
+    return hello
+
+
+def engine_params_of(hello: Mapping[str, Any]) -> list[EngineParam]:
+    """The engine params of a worker's hello (after the JSON round trip)."""
+    return [EngineParam(n, tuple(s), d) for n, s, d in hello["params"]]
 
 
 def build_param_map(source: Source, recipe: Recipe, engine: EngineShape) -> ParamMap:
@@ -186,16 +173,16 @@ def build_param_map(source: Source, recipe: Recipe, engine: EngineShape) -> Para
     return param_map
 
 
-def resolve_names(param_map: ParamMap, targets: Mapping[int, Sequence[Target]]) -> ParamMap:
+def resolve_names(param_map: ParamMap, engine_params: Mapping[int, Sequence[EngineParam]]) -> ParamMap:
     """Renames params to the live model's names where the engine nests a module one level deeper.
 
-    A recipe names vLLM's modules as the model code builds them
+    A recipe names an engine's modules as the model code builds them
     (``model.layers.0.mlp.experts.w13_weight``); some vLLM versions hold the same parameter
     in a submodule (``model.layers.0.mlp.experts.routed_experts.w13_weight``). A param whose
-    name is not a target of its rank takes the one target under the same parent module with
-    the same parameter name and shape, if there is exactly one; every rank resolves alike.
+    name is not an engine param of its rank takes the one engine param under the same parent
+    module with the same parameter name and shape, if there is exactly one; every rank resolves alike.
     """
-    by_rank = {rank: {t.name: t for t in live} for rank, live in targets.items()}
+    by_rank = {rank: {t.name: t for t in live} for rank, live in engine_params.items()}
     out = []
     for p in param_map.params:
         live = by_rank.get(p.rank, {})
@@ -209,14 +196,14 @@ def resolve_names(param_map: ParamMap, targets: Mapping[int, Sequence[Target]]) 
     return ParamMap(out)
 
 
-def check_targets(param_map: ParamMap, targets: Mapping[int, Sequence[Target]]) -> list[str]:
-    """What differs between the params the sync writes and each worker's live targets (empty: nothing).
+def check_engine_params(param_map: ParamMap, engine_params: Mapping[int, Sequence[EngineParam]]) -> list[str]:
+    """What differs between the params the sync writes and each worker's engine params (empty: nothing).
 
-    Every param must be a target of its rank with the same shape and dtype, and every
-    target must be written: a parameter the sync skipped would keep its old weights.
+    Every param must be an engine param of its rank with the same shape and dtype, and every
+    engine param must be written: a parameter the sync skipped would keep its old weights.
     """
     problems = []
-    for rank, live in sorted(targets.items()):
+    for rank, live in sorted(engine_params.items()):
         want = {t.name: t for t in live}
         got = {p.name: p for p in param_map.for_rank(rank)}
         missing = sorted(set(want) - set(got))
@@ -256,46 +243,3 @@ def engine_shape(workers: Sequence[Mapping[str, Any]]) -> EngineShape:
                          "give world_size = trainers + every worker of every replica.")
     ranks = tuple(tuple(slots[(d, t)] for t in range(tp)) for d in range(replicas))
     return EngineShape(ranks, bool(workers[0]["expert_parallel"]), str(workers[0]["dtype"]))
-
-
-FUSED = ("qkv_proj.weight", "gate_up_proj.weight", "w13_weight", "w2_weight")
-_ITEMSIZE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-
-
-def bytes_per_worker(param_map: Any, source: Any) -> dict[str, dict[int, int]]:
-    """Per method (``jreshard``, ``nccl``, ``nccl_m2n``), per worker rank, the bytes it receives per sync.
-
-    ``jreshard``: the regions of the worker's params, the lower bound (padding rows are not
-    sent). ``nccl``: vLLM's ``nccl`` backend broadcasts every checkpoint tensor, whole, to
-    every worker. ``nccl_m2n``: vLLM's reshard collective sends shards for params that map one
-    to one and whole tensors for every fused param (``FUSED``).
-
-    Args:
-      param_map: the workers' ``bridge.ParamMap`` (from ``build_param_map`` or a ``BridgePlan``).
-      source: the trainer's ``bridge.Source``.
-
-    Example:
-
-      >>> from bridge import Source, trainer_mesh
-      >>> from bridge.engines.hello import EngineShape, Recipe, build_param_map, bytes_per_worker
-      >>> from jreshard.nn import LlamaConfig, fsdp_spec, param_shapes
-      >>> cfg = LlamaConfig.load("llama-tiny")
-      >>> src = Source.build(param_shapes(cfg), trainer_mesh((4,), "fsdp", [0], 4), fsdp_spec)
-      >>> b = bytes_per_worker(build_param_map(src, Recipe.llama(cfg), EngineShape(((1, 2),), False, "float32")), src)
-      >>> b["nccl"][1] == sum(lay.nbytes for _, lay in src.items()), b["jreshard"][1] < b["nccl_m2n"][1] < b["nccl"][1]
-      (True, True)
-    """
-    total = sum(math.prod(lay.shape) * _ITEMSIZE_BYTES[lay.dtype] for _, lay in source.items())
-    out: dict[str, dict[int, int]] = {"jreshard": {}, "nccl": {}, "nccl_m2n": {}}
-    for rank in param_map.ranks:
-        exact = m2n = 0
-        for p in param_map.for_rank(rank):
-            size = _ITEMSIZE_BYTES[p.dtype]
-            region = sum(math.prod(r.shape) for r in p.regions) * size
-            exact += region
-            if p.name.endswith(FUSED):
-                m2n += sum(math.prod(source.layout(leaf).shape) for leaf in {r.leaf for r in p.regions}) * size
-            else:
-                m2n += region
-        out["jreshard"][rank], out["nccl"][rank], out["nccl_m2n"][rank] = exact, total, m2n
-    return out

@@ -31,19 +31,22 @@ from jreshard.core.args import check_flag, check_int
 from jreshard.core.box import Box, split_box
 from jreshard.core.domains import Domains
 from jreshard.core.dtypes import numpy_dtype
+from jreshard.core.hierarchical import check_hierarchical
 from jreshard.core.planner import plan_layouts
+from jreshard.core.schedule import ALIGN, aligned, ordered_buckets, pack
 
-__all__ = ["ParamMove", "Piece", "Message", "Segment", "BridgePlan", "FORMAT_VERSION", "ALIGN", "WIRE_DTYPES",
-           "HIERARCHICAL", "STAGE2_LAG", "bridge_domains"]
+# TODO(lead): bridge/wire/receiver.py imports this name; point it at jreshard.core.schedule.aligned, then delete.
+_aligned = aligned
+
+__all__ = ["ParamMove", "Piece", "Message", "Segment", "BridgePlan", "FORMAT_VERSION", "WIRE_DTYPES",
+           "STAGE2_LAG", "bridge_domains"]
 
 FORMAT_VERSION = 4  # 4: stage-2 moves share buckets with stage 1's
-ALIGN = 64  # bytes; every piece in a message starts aligned, so any dtype view is valid
 # The param dtypes the wire carries: each has a torch dtype of the same name and itemsize.
 WIRE_DTYPES = ("float32", "bfloat16", "float16", "float64", "int32", "int64", "int8", "uint8", "bool",
                "float8_e4m3fn")
-HIERARCHICAL = ("auto", "always", "never")
 # A stage-2 move goes in bucket b only if every stage-1 move that brings part of its box to its
-# sender lies in a bucket <= b - STAGE2_LAG: ``bridge.wire.session.run_sync`` packs bucket b once buckets
+# sender lies in a bucket <= b - STAGE2_LAG: ``bridge.wire.session.SyncSession`` packs bucket b once buckets
 # up to b - 2 are received and unpacked (bucket b - 1 is then still on the wire).
 STAGE2_LAG = 2
 # Two-stage plans cut moves into pieces of at least bucket_bytes / MAX_SPLIT (a rank's stage-2 share
@@ -157,13 +160,13 @@ class BridgePlan:
       TypeError: ``source``, ``param_map`` or ``domains`` is of the wrong kind.
       ValueError: a region leaves its leaf, a rank is both trainer and receiver, a param's
         dtype cannot travel on the wire, ``bucket_bytes`` is below ``ALIGN``, or
-        ``hierarchical`` is not one of ``HIERARCHICAL``.
+        ``hierarchical`` is not one of ``jreshard.core.hierarchical.HIERARCHICAL``.
 
     Example:
       >>> from bridge import BridgePlan, Rule, Source, tp_param_map, trainer_mesh
       >>> from jreshard import Layout
       >>> src = Source({"w": Layout((4, 6), trainer_mesh((2,), "fsdp", [0], 2), ("fsdp",), "float32")})
-      >>> m = tp_param_map(src, [Rule("w", "linear.weight", transpose=True, shard=0)], tp_ranks=[1, 2])
+      >>> m = tp_param_map(src, [Rule("w", "linear.weight", transpose=True, dim=0)], tp_ranks=[1, 2])
       >>> p = BridgePlan(src, m)
       >>> [(t.src, t.dst, str(t.box)) for t in p.moves]  # doctest: +NORMALIZE_WHITESPACE
       [(1000000, 1, '[0:2, 0:3]'), (1000001, 1, '[2:4, 0:3]'),
@@ -198,8 +201,7 @@ class BridgePlan:
                 f"ranks {sorted(clash)} are both trainer and inference ranks; a process either sends "
                 "(JAX trainer) or receives (torch inference)."
             )
-        if hierarchical not in HIERARCHICAL:
-            raise ValueError(f"hierarchical must be one of {HIERARCHICAL}, got {hierarchical!r}.")
+        hierarchical = check_hierarchical(hierarchical)
         self.source, self.param_map, self.bucket_bytes, self.balance = source, param_map, bucket_bytes, balance
         self.hierarchical = hierarchical
         self.domains = bridge_domains(domains, (*source.ranks, *param_map.ranks))
@@ -274,59 +276,25 @@ class BridgePlan:
     def _bucket(self) -> tuple[tuple[Message, ...], int]:
         """Places every move in a bucket, under ``bucket_bytes`` sent and received per rank and bucket.
 
-        Stage-1 moves fill buckets in plan order: a bucket closes at the first one that would take
-        a rank past ``bucket_bytes`` (a move always fits an empty bucket), as in direct delivery.
-        A stage-2 move is ready for bucket ``b`` once every stage-1 move that brings part of its
-        box to its sender lies in a bucket ``<= b - STAGE2_LAG`` (``_ready_after``). Each bucket
-        first takes ready stage-2 moves while each receiving rank stays within its stage-2 share of
-        ``bucket_bytes`` (the fraction of its bytes that stage 2 brings, ``_shares``), then
-        stage-1 moves, then ready stage-2 moves again while they fit. So the sends inside domains
-        travel beside the network's stage 1, a pipeline that drains in the buckets after stage 1's
-        last. A bucket is left empty where stage 1 is done and nothing is ready yet.
+        ``jreshard.core.schedule.ordered_buckets``: stage-1 moves fill buckets in plan order, as in
+        direct delivery; a stage-2 move is ready for bucket ``b`` once every stage-1 move that brings
+        part of its box to its sender lies in a bucket ``<= b - STAGE2_LAG`` (``_ready_after``), and
+        takes at most its receiving rank's share of a bucket before stage 1 (``_shares``). So the
+        sends inside domains travel beside the network's stage 1. Each message packs its moves in
+        plan order (``jreshard.core.schedule.pack``).
         """
-        cap = self.bucket_bytes
         first = [i for i, t in enumerate(self.moves) if t.stage == 1]
-        after = self._ready_after(first)
-        waiting = sorted(after, key=lambda i: (after[i], i))  # stage-2 moves by the stage-1 move they wait for
-        share = self._share
+        sends = [(t.src_rank, t.dst, t.nbytes) for t in self.moves]
+        bucket_of, count = ordered_buckets(sends, first, self._ready_after(first), cap=self.bucket_bytes,
+                                           share=self._share, lag=STAGE2_LAG)
         members: dict[tuple[int, int, int], list[int]] = defaultdict(list)
-        bucket_of: list[int] = []  # the bucket of each stage-1 move, by its position in ``first``
-        ready: list[int] = []
-        k1 = k2 = bucket = 0
-        send: dict[int, int] = defaultdict(int)  # bytes each rank sends, receives in the bucket being filled
-        recv: dict[int, int] = defaultdict(int)
-
-        def place(i: int, recv_cap: int) -> bool:
-            t = self.moves[i]
-            s, d = t.src_rank, t.dst
-            if (send or recv) and (send[s] + t.nbytes > cap or recv[d] + t.nbytes > recv_cap):
-                return False
-            send[s] += _aligned(t.nbytes)
-            recv[d] += _aligned(t.nbytes)
-            members[(bucket, s, d)].append(i)
-            return True
-
-        while k1 < len(first) or k2 < len(waiting) or ready:
-            send.clear()
-            recv.clear()
-            while k2 < len(waiting) and (after[waiting[k2]] < 0 or (
-                    after[waiting[k2]] < k1 and bucket_of[after[waiting[k2]]] <= bucket - STAGE2_LAG)):
-                ready.append(waiting[k2])
-                k2 += 1
-            ready = [i for i in ready if not place(i, share[self.moves[i].dst])]
-            while k1 < len(first) and place(first[k1], cap):
-                bucket_of.append(bucket)
-                k1 += 1
-            ready = [i for i in ready if not place(i, cap)]
-            bucket += 1
+        for i, (s, d, _) in enumerate(sends):
+            members[(bucket_of[i], s, d)].append(i)
         messages = []
         for (b, s, d), idx in sorted(members.items()):
-            off, pieces = 0, []
-            for i in sorted(idx):
-                pieces.append(Piece(i, off))
-                off += _aligned(self.moves[i].nbytes)
-            messages.append(Message(b, s, d, off, tuple(pieces)))
-        return tuple(messages), bucket
+            offsets, end = pack([self.moves[i].nbytes for i in idx])
+            messages.append(Message(b, s, d, end, tuple(Piece(i, o) for i, o in zip(idx, offsets, strict=True))))
+        return tuple(messages), count
 
     def _ready_after(self, first: list[int]) -> dict[int, int]:
         """For every stage-2 move: the position in ``first`` (the stage-1 moves, in plan order) of the
@@ -515,7 +483,3 @@ def _contiguous(box: Any, shape: Any) -> bool:
     while i < len(ext) - 1 and ext[i] == 1:
         i += 1
     return all(ext[j] == shape[j] for j in range(i + 1, len(ext)))
-
-
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN

@@ -32,8 +32,8 @@ Example (a column-parallel q projection and a row-parallel o projection on TP2):
   >>> shapes = {"q/kernel": (256, 512), "o/kernel": (512, 256), "norm/scale": (256,)}
   >>> src = Source.build(shapes, trainer_mesh((4,), "fsdp", [0, 1], 2),
   ...                    lambda path, shape: ("fsdp",) if len(shape) == 2 else ())
-  >>> rules = [Rule("q/kernel", "q_proj.weight", transpose=True, shard=0),
-  ...          Rule("o/kernel", "o_proj.weight", transpose=True, shard=1), Rule("norm/scale", "norm.weight")]
+  >>> rules = [Rule("q/kernel", "q_proj.weight", transpose=True, dim=0),
+  ...          Rule("o/kernel", "o_proj.weight", transpose=True, dim=1), Rule("norm/scale", "norm.weight")]
   >>> fp8 = fp8_param_map(src, tp_param_map(src, rules, tp_ranks=[2, 3]), Fp8Format(block=(128, 128)))
   >>> [(p.name, p.shape, p.dtype) for p in fp8.param_map.for_rank(3)]  # doctest: +NORMALIZE_WHITESPACE
   [('norm.weight', (256,), 'float32'), ('o_proj.weight', (256, 256), 'float8_e4m3fn'),
@@ -54,7 +54,7 @@ from bridge.plan.param_map import Param, ParamMap, Region
 from bridge.plan.source import Source
 from jreshard.core.box import Box
 from jreshard.core.fp8 import SCALE_DTYPE, Fp8Format
-from jreshard.core.fp8_target import _vllm_words  # vLLM's names for the dims of [out, in]
+from jreshard.core.fp8_split import _vllm_words  # vLLM's names for the dims of [out, in]
 from jreshard.core.layout import Layout
 
 __all__ = ["Fp8ParamMap", "fp8_param_map", "scale_name", "scale_leaf", "scale_source_layout", "QUANTIZE_LINEAR"]

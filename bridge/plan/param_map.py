@@ -182,7 +182,7 @@ class ParamMap:
       >>> from bridge import Rule, Source, tp_param_map, trainer_mesh
       >>> from jreshard import Layout
       >>> src = Source({"w": Layout((4, 6), trainer_mesh((2,), "fsdp", [0], 2), ("fsdp",), "float32")})
-      >>> m = tp_param_map(src, [Rule("w", "linear.weight", transpose=True, shard=0)], tp_ranks=[1, 2])
+      >>> m = tp_param_map(src, [Rule("w", "linear.weight", transpose=True, dim=0)], tp_ranks=[1, 2])
       >>> str(m.for_rank(2)[0].regions[0].box)
       '[0:4, 3:6]'
     """

@@ -22,7 +22,7 @@ from bridge.plan.param_map import ParamMap, Region
 from bridge.plan.source import Source
 from jreshard.core.box import Box
 from jreshard.core.domains import Domains
-from jreshard.core.hierarchical import stage_parts
+from jreshard.core.hierarchical import StagePair, split_stages
 from jreshard.core.layout import Layout
 from jreshard.core.mesh import Mesh
 
@@ -134,7 +134,7 @@ def jobs(source: Source, param_map: ParamMap) -> list[Job]:
 def two_stage(direct: list[Job], domains: Domains) -> tuple[list[Job], list[Job]]:
     """The jobs of hierarchical delivery: stage 1 (sources -> each domain once) and stage 2 (inside domains).
 
-    Each job's destination is cut by ``jreshard.core.hierarchical.stage_parts``: replicas that
+    Each job's destination is cut by ``jreshard.core.hierarchical.split_stages``: replicas that
     lie whole in a domain holding another whole replica receive each byte once per domain in
     stage 1, spread over them, and stage 2 completes every replica from the others of its
     domain; stage 2's sources are stage 1's destinations (inference ranks). Both stages plan
@@ -151,15 +151,11 @@ def two_stage(direct: list[Job], domains: Domains) -> tuple[list[Job], list[Job]
       >>> [(j.name, j.dst.shard_box(3)) for j in s1 if 3 in j.regions], [j.name for j in s2]
       ([('0:norm#0@domain0', (slice(4, 8, None),))], ['0:norm#0@domain0'])
     """
-    first: list[Job] = []
-    second: list[Job] = []
-    for job in direct:
-        parts = stage_parts(job.dst, domains)
-        for part, l1, target in parts:
-            name = job.name if len(parts) == 1 and target is None else f"{job.name}@{part}"
-            first.append(dataclasses.replace(job, name=name, dst=l1,
-                                             regions={r: job.regions[r] for r in l1.mesh.device_ids}))
-            if target is not None:
-                second.append(dataclasses.replace(job, name=name, src=l1, dst=target,
-                                                  regions={r: job.regions[r] for r in target.mesh.device_ids}))
-    return first, second
+    first, second = split_stages([(job.name, job.src, job.dst) for job in direct], domains)
+
+    def as_job(pair: StagePair) -> Job:
+        whole = direct[pair.tensor]
+        return dataclasses.replace(whole, name=pair.name, src=pair.src, dst=pair.dst,
+                                   regions={r: whole.regions[r] for r in pair.dst.mesh.device_ids})
+
+    return [as_job(p) for p in first], [as_job(p) for p in second]

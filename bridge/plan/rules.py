@@ -20,14 +20,13 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-import numpy as np
-
 from bridge.plan.dims import DimSpec
 from bridge.plan.param_map import Param, ParamMap, Region, param_dtype
 from bridge.plan.source import SOURCE_BASE, Source
 from jreshard.core.args import check_flag, check_int, check_ints, check_name
 from jreshard.core.box import Box
-from jreshard.core.heads import split_heads
+from jreshard.core.degrees import rank_grid
+from jreshard.core.tp_split import TpSplit, tp_split
 
 __all__ = ["Rule", "tp_param_map", "param_dtype"]
 
@@ -46,18 +45,18 @@ class Rule:
       dims: the leaf's dims by name and the param's (``"L emb heads hd -> (heads hd) emb"``,
         see ``bridge.plan.dims``): names moved, merged in parentheses, stacked (left only: one
         param per index, ``{L}`` in ``name``) or new (right only: placed by ``at``).
-      shard: the param dim split across a row's TP ranks (column parallel: 0, row parallel: 1),
+      dim: the param dim split across a row's TP ranks (column parallel: 0, row parallel: 1),
         or its name in ``dims``; ``None`` to replicate.
-      ep_shard: the param dim (or name) whose experts are split linearly across the rows of
+      ep_dim: the param dim (or name) whose experts are split linearly across the rows of
         the rank grid: row ``r`` of ``ep`` holds ``[r*E/ep, (r+1)*E/ep)``. ``None``: rows are replicas.
       at: the index of this leaf along the new dim of ``dims``, a template like ``name``
         (``"{2}"`` for ``experts_(\\d+)``): many leaves fill one stacked param.
       part: the position of this leaf in a fused param: rules with the same param name
-        are concatenated per rank along ``shard`` (the first param dim when replicated) in ``part`` order.
-      pad_to: pad the ``shard`` dim to a multiple of this (a padded vocabulary); the padded
+        are concatenated per rank along ``dim`` (the first param dim when replicated) in ``part`` order.
+      pad_to: pad that dim to a multiple of this (a padded vocabulary); the padded
         rows of each rank are left untouched.
       dtype: the param dtype (default: the param map's).
-      heads: the ``shard`` dim is this many equal attention heads; TP splits whole heads
+      heads: that dim is this many equal attention heads; TP splits whole heads
         (``jreshard.core.heads.split_heads``, the rule vLLM follows).
       replicate_heads: with more TP ranks than ``heads``, replicate each head on
         ``tp // heads`` consecutive ranks instead of refusing, as vLLM does for KV heads.
@@ -66,14 +65,14 @@ class Rule:
     pattern: str
     name: str
     transpose: bool | tuple[int, ...] = False
-    shard: int | str | None = None
+    dim: int | str | None = None
     part: int = 0
     pad_to: int = 1
     dtype: str | None = None
     heads: int | None = None
     replicate_heads: bool = False
     dims: str | None = None
-    ep_shard: int | str | None = None
+    ep_dim: int | str | None = None
     at: str | int | None = None
 
     def __post_init__(self) -> None:
@@ -84,15 +83,15 @@ class Rule:
             raise ValueError(f"Rule pattern {self.pattern!r} is not a regular expression: {e}.") from None
         self._check_args()
         if self.heads is not None:
-            if self.shard is None or self.pad_to != 1:
-                raise ValueError(f"Rule {self.pattern!r}: heads needs a shard dim and no padding (pad_to=1).")
+            if self.dim is None or self.pad_to != 1:
+                raise ValueError(f"Rule {self.pattern!r}: heads needs a split dim (dim=) and no padding (pad_to=1).")
         elif self.replicate_heads:
             raise ValueError(f"Rule {self.pattern!r}: replicate_heads needs heads (the number of heads).")
         if self.dims is not None:
             if self.transpose is not False:
                 raise ValueError(f"Rule {self.pattern!r}: give dims or transpose, not both (dims names the moves).")
             spec = _parse(self.dims, self.pattern)
-            for arg in ("shard", "ep_shard"):
+            for arg in ("dim", "ep_dim"):
                 v = getattr(self, arg)
                 if isinstance(v, str) and v not in spec.flat:
                     raise ValueError(f"Rule {self.pattern!r}: {arg}={v!r} is not a param dim of dims "
@@ -101,7 +100,7 @@ class Rule:
                 raise ValueError(f"Rule {self.pattern!r}: a new param dim in dims and at= go together "
                                  f"(dims {self.dims!r}, at={self.at!r}); at places the leaf along that dim.")
         else:
-            for arg in ("shard", "ep_shard"):
+            for arg in ("dim", "ep_dim"):
                 if isinstance(getattr(self, arg), str):
                     raise ValueError(f"Rule {self.pattern!r}: {arg} names a dim; name the dims with dims=.")
             if self.at is not None:
@@ -121,7 +120,7 @@ class Rule:
                 raise ValueError(f"{rule} transpose {perm} must be a permutation of {tuple(range(len(perm)))} "
                                  "(torch dim i <- leaf dim transpose[i]), or True/False.")
             put("transpose", perm)
-        for arg in ("shard", "ep_shard"):
+        for arg in ("dim", "ep_dim"):
             v = getattr(self, arg)
             if v is not None and not isinstance(v, str):
                 put(arg, check_int(f"{rule} {arg} (a param dim, its name in dims, or None)", v))
@@ -189,50 +188,6 @@ class _Part:
     at: int | None  # the index along the new dim
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Split:
-    """How a dim is split over ranks: every rank's local size and its ``(lo, hi)`` of the dim."""
-
-    local: int
-    ranges: tuple[tuple[int, int], ...]
-
-
-def _grid(tp_ranks: Any) -> list[list[int]]:
-    try:
-        arr = np.asarray(tp_ranks)
-    except ValueError:  # ragged nested lists
-        arr = np.asarray(None)
-    if arr.ndim == 1:
-        arr = arr[None]
-    if arr.ndim != 2 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(
-            f"tp_ranks must be a list of torch ranks (one TP group) or a list of equal-length lists "
-            f"(one per replica or expert-parallel group), got {tp_ranks!r}."
-        )
-    if len(set(arr.ravel().tolist())) != arr.size or (arr < 0).any() or (arr >= SOURCE_BASE).any():
-        raise ValueError(f"tp_ranks must hold distinct torch ranks in [0, {SOURCE_BASE}) (inference ranks), "
-                         f"got {arr.tolist()}.")
-    return arr.tolist()
-
-
-def _split(n: int, k: int, rule: Rule | None, what: str) -> _Split:
-    """The vLLM split of a dim of size ``n`` over ``k`` ranks under ``rule`` (heads, padding; None: even)."""
-    if rule is not None and rule.heads is not None:
-        if n % rule.heads:
-            raise ValueError(f"{what}: size {n} is not {rule.heads} equal heads; fix the Rule's heads.")
-        heads = split_heads(rule.heads, n // rule.heads, k, replicate=rule.replicate_heads, what=what)
-        return _Split(heads.local_size, heads.ranges())
-    pad_to = 1 if rule is None else rule.pad_to
-    padded = -(-n // pad_to) * pad_to
-    if padded % k:
-        raise ValueError(
-            f"{what}: size {n} (padded to {padded} with pad_to={pad_to}) does not split evenly over "
-            f"{k} ranks; use pad_to a multiple of {k} or a degree dividing {padded}."
-        )
-    s = padded // k
-    return _Split(s, tuple((min(r * s, n), min((r + 1) * s, n)) for r in range(k)))
-
-
 def _format(rule: Rule, template: str, m: re.Match, fields: dict[str, int], path: str, what: str) -> str:
     try:
         return template.format(m.group(0), *m.groups(), **m.groupdict(), **fields)
@@ -276,7 +231,7 @@ def _match(source: Source, rules: Sequence[Rule], strict: bool) -> dict[str, lis
 
 
 def _role(v: int | str | None, spec: DimSpec, rule: Rule, arg: str) -> str | None:
-    """The flat name a rule's ``shard``/``ep_shard`` refers to."""
+    """The flat name a rule's ``dim``/``ep_dim`` refers to."""
     if v is None or isinstance(v, str):
         return v
     if not 0 <= v < len(spec.param) or len(spec.param[v]) != 1:
@@ -289,7 +244,7 @@ class _PartGeom(NamedTuple):
     """The leaves of one part of a param, the names of their split dims and every dim's split."""
 
     leaves: list[_Part]
-    splits: dict[str, _Split]
+    splits: dict[str, TpSplit]
     tp: str | None
     ep: str | None
     concat: str
@@ -308,29 +263,31 @@ def _part_geom(source: Source, name: str, leaves: list[_Part], rows: int, cols: 
     shape = source.layout(first.path).shape
     if any(source.layout(p.path).shape != shape for p in leaves):
         raise ValueError(f"param {name!r}: the leaves of part {first.part} differ in shape; stack equal leaves.")
-    tp, ep = _role(rule.shard, spec, rule, "shard"), _role(rule.ep_shard, spec, rule, "ep_shard")
-    splits: dict[str, _Split] = {}
+    tp, ep = _role(rule.dim, spec, rule, "dim"), _role(rule.ep_dim, spec, rule, "ep_dim")
+    splits: dict[str, TpSplit] = {}
+    leaf = f"leaf {first.path!r} -> {name!r}"
     for x in spec.flat:
-        what = f"leaf {first.path!r} -> {name!r} dim {x!r}"
+        what = f"{leaf} dim {x!r}"
         if x in spec.new:
             k = rows if x == ep else 1
             if slots % k:
                 raise ValueError(f"{what}: {slots} experts do not split evenly over {k} expert-parallel "
                                  "groups; use a degree dividing the number of experts.")
-            splits[x] = _Split(slots // k, tuple((r * slots // k, (r + 1) * slots // k) for r in range(k)))
+            splits[x] = TpSplit(slots // k, tuple((r * slots // k, (r + 1) * slots // k) for r in range(k)))
             continue
         n = shape[spec.leaf.index(x)]
         if x == tp:
-            splits[x] = _split(n, cols, rule, what)
+            splits[x] = tp_split(n, cols, heads=rule.heads, replicate_heads=rule.replicate_heads, pad_to=rule.pad_to,
+                                 what=leaf, dim=repr(x))
         elif x == ep:
-            splits[x] = _split(n, rows, None, what)
+            splits[x] = tp_split(n, rows, what=leaf, dim=repr(x), degree="the expert-parallel degree")
         else:
-            splits[x] = _Split(n, ((0, n),))
+            splits[x] = TpSplit(n, ((0, n),))
     return _PartGeom(leaves, splits, tp, ep, tp or spec.flat[0], offset)
 
 
 def _group_params(source: Source, name: str, plist: list[_Part], grid: list[list[int]], dtype: str) -> list[Param]:
-    """One param per rank of the grid: its parts concatenated along the shard dim, its experts placed."""
+    """One param per rank of the grid: its parts concatenated along the split dim, its experts placed."""
     rows, cols = len(grid), len(grid[0])
     by_part: dict[int, list[_Part]] = defaultdict(list)
     for p in plist:
@@ -351,7 +308,7 @@ def _group_params(source: Source, name: str, plist: list[_Part], grid: list[list
                   tuple(sizes[x] for x in spec.flat)))
     if len(keys) != 1:
         raise ValueError(f"fused param {name!r}: its parts give local dims {sorted(k[2] for k in keys)}, which do "
-                         "not concatenate along the shard dim; their rules must agree on every other dim.")
+                         "not concatenate along the split dim; their rules must agree on every other dim.")
     spec = geoms[0].leaves[0].spec
     sizes = {x: (total if x == geoms[0].concat else s.local) for x, s in geoms[0].splits.items()}
     local_shape = tuple(math.prod(sizes[x] for x in grp) for grp in spec.param)
@@ -411,7 +368,7 @@ def tp_param_map(source: Source, rules: Sequence[Rule], tp_ranks: Any, *, dtype:
       source: the trainer leaves.
       rules: the first rule whose pattern matches a leaf path applies.
       tp_ranks: torch ranks in TP order (one TP group), or a list of such lists: the rows
-        are inference replicas, or, for rules with ``ep_shard``, expert-parallel groups
+        are inference replicas, or, for rules with ``ep_dim``, expert-parallel groups
         (row ``r`` holds the ``r``-th block of experts, each split over its row's TP ranks).
       dtype: the dtype of every param whose rule gives none.
       strict: raise if a leaf matches no rule (``False`` skips it).
@@ -424,7 +381,7 @@ def tp_param_map(source: Source, rules: Sequence[Rule], tp_ranks: Any, *, dtype:
       >>> from bridge import Rule, Source, tp_param_map, trainer_mesh
       >>> from jreshard import Layout
       >>> src = Source({"mlp/wi": Layout((3, 4, 8), trainer_mesh((2,), "fsdp", [0], 2), (None, "fsdp"))})
-      >>> rule = Rule("mlp/wi", "layers.{L}.up.weight", dims="L i o -> o i", shard="o")
+      >>> rule = Rule("mlp/wi", "layers.{L}.up.weight", dims="L i o -> o i", dim="o")
       >>> m = tp_param_map(src, [rule], tp_ranks=[1, 2])
       >>> p = [p for p in m.for_rank(2) if p.name == "layers.1.up.weight"][0]
       >>> p.shape, str(p.regions[0].box), p.regions[0].view
@@ -439,14 +396,14 @@ def tp_param_map(source: Source, rules: Sequence[Rule], tp_ranks: Any, *, dtype:
         if not isinstance(rule, Rule):
             raise TypeError(f"rules[{i}] must be a bridge.Rule, got {type(rule).__name__} {rule!r}.")
     strict = check_flag("strict", strict)
-    grid = _grid(tp_ranks)
+    grid = rank_grid(tp_ranks, "tp_ranks", below=SOURCE_BASE).tolist()
     default = param_dtype(dtype)  # BridgePlan refuses the dtypes its wire cannot carry
     params = []
     for name, plist in _match(source, rules, strict).items():
-        shards = {(p.rule.shard, p.rule.ep_shard) for p in plist}
+        splits = {(p.rule.dim, p.rule.ep_dim) for p in plist}
         dtypes = {default if p.rule.dtype is None else param_dtype(p.rule.dtype, "Rule dtype") for p in plist}
-        if len(shards) != 1 or len(dtypes) != 1:
-            raise ValueError(f"fused param {name!r}: its rules must agree on shard, ep_shard and dtype.")
+        if len(splits) != 1 or len(dtypes) != 1:
+            raise ValueError(f"fused param {name!r}: its rules must agree on dim, ep_dim and dtype.")
         (dt,) = dtypes
         params += _group_params(source, name, plist, grid, dt)
     return ParamMap(params)

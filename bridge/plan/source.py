@@ -12,7 +12,6 @@ from the model config that the trainer derives from its jax arrays.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -37,7 +36,7 @@ def source_id(rank: int, local: int) -> int:
       (1001001, (1, 1))
     """
     for arg, v, hi in (("rank", rank, SOURCE_BASE), ("local", local, MAX_LOCAL_DEVICES)):
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 0 <= v < hi:
+        if check_int(arg, v) >= hi:
             raise ValueError(f"{arg} must be an int in [0, {hi}), got {v!r}.")
     return SOURCE_BASE + int(rank) * MAX_LOCAL_DEVICES + int(local)
 

@@ -9,6 +9,7 @@ from bridge.plan.param_map import ParamMap
 from bridge.plan.rules import Rule, tp_param_map
 from bridge.plan.source import Source
 from jreshard.core.args import check_flag, check_int
+from jreshard.core.tp_split import TP_DIMS
 
 if TYPE_CHECKING:
     from jreshard.nn.config import LlamaConfig
@@ -30,35 +31,36 @@ def llama_rules(config: LlamaConfig, *, fused: bool = False, vocab_pad: int = 64
     fused = check_flag("fused", fused)
     vocab_pad = check_int("vocab_pad", vocab_pad, minimum=1)
     L = r"layers_(\d+)"
+    col, row, embed, head = (TP_DIMS[r] for r in ("column", "row", "embed", "head"))  # as vLLM splits them
     heads = {"q": config.num_attention_heads, "k": config.num_key_value_heads, "v": config.num_key_value_heads}
-    rules = [Rule("embed/embedding", "model.embed_tokens.weight", shard=0, pad_to=vocab_pad)]
+    rules = [Rule("embed/embedding", "model.embed_tokens.weight", dim=embed, pad_to=vocab_pad)]
     if fused:
         rules += [Rule(rf"{L}/attn/{x}_proj/kernel", "model.layers.{1}.self_attn.qkv_proj.weight",
-                       transpose=True, shard=0, part=i, heads=heads[x], replicate_heads=x != "q")
+                       transpose=True, dim=col, part=i, heads=heads[x], replicate_heads=x != "q")
                   for i, x in enumerate("qkv")]
         rules += [Rule(rf"{L}/mlp/{x}_proj/kernel", "model.layers.{1}.mlp.gate_up_proj.weight",
-                       transpose=True, shard=0, part=i) for i, x in enumerate(("gate", "up"))]
+                       transpose=True, dim=col, part=i) for i, x in enumerate(("gate", "up"))]
     else:
         rules += [Rule(rf"{L}/attn/({x})_proj/kernel", "model.layers.{1}.self_attn.{2}_proj.weight",
-                       transpose=True, shard=0, heads=heads[x], replicate_heads=x != "q") for x in "qkv"]
+                       transpose=True, dim=col, heads=heads[x], replicate_heads=x != "q") for x in "qkv"]
         rules.append(Rule(rf"{L}/mlp/(gate|up)_proj/kernel", "model.layers.{1}.mlp.{2}_proj.weight",
-                          transpose=True, shard=0))
+                          transpose=True, dim=col))
     rules += [
-        Rule(rf"{L}/attn/o_proj/kernel", "model.layers.{1}.self_attn.o_proj.weight", transpose=True, shard=1,
+        Rule(rf"{L}/attn/o_proj/kernel", "model.layers.{1}.self_attn.o_proj.weight", transpose=True, dim=row,
              heads=config.num_attention_heads),
-        Rule(rf"{L}/mlp/down_proj/kernel", "model.layers.{1}.mlp.down_proj.weight", transpose=True, shard=1),
+        Rule(rf"{L}/mlp/down_proj/kernel", "model.layers.{1}.mlp.down_proj.weight", transpose=True, dim=row),
         Rule(rf"{L}/attn/(q|k)_norm/scale", "model.layers.{1}.self_attn.{2}_norm.weight"),
         Rule(rf"{L}/input_norm/scale", "model.layers.{1}.input_layernorm.weight"),
         Rule(rf"{L}/post_attention_norm/scale", "model.layers.{1}.post_attention_layernorm.weight"),
         Rule("final_norm/scale", "model.norm.weight"),
-        Rule("lm_head/kernel", "lm_head.weight", transpose=True, shard=0, pad_to=vocab_pad),
+        Rule("lm_head/kernel", "lm_head.weight", transpose=True, dim=head, pad_to=vocab_pad),
     ]
     return rules
 
 
 def llama_param_map(config: LlamaConfig, source: Source, tp_ranks: Any, *, fused: bool = False,
                     vocab_pad: int = 64, dtype: Any = "float32") -> ParamMap:
-    """The ready param map for ``jreshard.nn.Llama`` to Hugging Face names on TP ranks.
+    """The ready param map for ``jreshard.nn``'s dense ``Decoder`` to Hugging Face names on TP ranks.
 
     With ``tie_word_embeddings`` the param ``lm_head.weight`` is filled from the embedding too.
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from bridge.plan.param_map import ParamMap
 from bridge.plan.rules import Rule, tp_param_map
 from bridge.plan.source import Source
+from jreshard.core.tp_split import TP_DIMS
 
 if TYPE_CHECKING:
     from jreshard.nn.config import LlamaConfig
@@ -72,14 +73,16 @@ def maxtext_rules(config: LlamaConfig, *, scan_axis: int = 1, vocab_pad: int = 6
     replicated on ``tp // num_key_value_heads`` consecutive ranks; embeddings and the
     output projection are vocabulary parallel, padded to ``vocab_pad``.
     """
-    rules = [Rule(r"(?:params/)?token_embedder/embedding", "model.embed_tokens.weight", shard=0, pad_to=vocab_pad)]
-    for leaf, (dims, torch_dims, name, shard, heads) in _LAYERS.items():
+    rules = [Rule(r"(?:params/)?token_embedder/embedding", "model.embed_tokens.weight", dim=TP_DIMS["embed"],
+                  pad_to=vocab_pad)]
+    for leaf, (dims, torch_dims, name, split, heads) in _LAYERS.items():
         n = config.num_key_value_heads if heads == "kv" else config.num_attention_heads
         rules.append(Rule(f"{_P}/layers/{leaf}", "model.layers.{L}." + name,
-                          dims=f"{_scanned(dims, scan_axis)} -> {torch_dims}", shard=shard,
+                          dims=f"{_scanned(dims, scan_axis)} -> {torch_dims}", dim=split,
                           heads=n if heads else None, replicate_heads=heads == "kv"))
     rules += [Rule(f"{_P}/decoder_norm/scale", "model.norm.weight"),
-              Rule(f"{_P}/logits_dense/kernel", "lm_head.weight", transpose=True, shard=0, pad_to=vocab_pad)]
+              Rule(f"{_P}/logits_dense/kernel", "lm_head.weight", transpose=True, dim=TP_DIMS["head"],
+                   pad_to=vocab_pad)]
     return rules
 
 

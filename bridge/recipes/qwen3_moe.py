@@ -14,15 +14,17 @@ dense MLP layers and the shared expert follow ``llama_rules``.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from bridge.plan.param_map import ParamMap
 from bridge.plan.rules import Rule, tp_param_map
-from bridge.plan.source import Source
+from bridge.plan.source import SOURCE_BASE, Source
 from bridge.recipes.llama import llama_rules, tie_lm_head
+from jreshard.core.args import check_int
+from jreshard.core.degrees import InferParallel, rank_grid
+from jreshard.core.tp_split import TP_DIMS
 
 if TYPE_CHECKING:
     from jreshard.nn.config import MoeConfig
@@ -69,17 +71,17 @@ def expert_rules(*, target: str = "vllm", names: dict[str, str] | None = None, e
       prefix: the regular expression of a layer's MLP path, with a group ``(?P<layer>...)``.
     """
     n = _names(target, names)
-    ep_shard = "e" if ep else None
+    ep_dim = "e" if ep else None
     rules = []
     for part, x in enumerate(("gate", "up")):  # [E, H, I] -> [E, I, H], this rank's gate rows then its up rows
-        rules += [Rule(rf"{prefix}/experts/{x}_proj", n["w13"], dims="e h i -> e i h", shard="i",
-                       ep_shard=ep_shard, part=part),
+        rules += [Rule(rf"{prefix}/experts/{x}_proj", n["w13"], dims="e h i -> e i h", dim="i",
+                       ep_dim=ep_dim, part=part),
                   Rule(rf"{prefix}/experts_(?P<expert>\d+)/{x}_proj/kernel", n["w13"], dims="h i -> e i h",
-                       shard="i", ep_shard=ep_shard, at="{expert}", part=part)]
+                       dim="i", ep_dim=ep_dim, at="{expert}", part=part)]
     rules += [
-        Rule(rf"{prefix}/experts/down_proj", n["w2"], dims="e i h -> e h i", shard="i", ep_shard=ep_shard),
-        Rule(rf"{prefix}/experts_(?P<expert>\d+)/down_proj/kernel", n["w2"], dims="i h -> e h i", shard="i",
-             ep_shard=ep_shard, at="{expert}"),
+        Rule(rf"{prefix}/experts/down_proj", n["w2"], dims="e i h -> e h i", dim="i", ep_dim=ep_dim),
+        Rule(rf"{prefix}/experts_(?P<expert>\d+)/down_proj/kernel", n["w2"], dims="i h -> e h i", dim="i",
+             ep_dim=ep_dim, at="{expert}"),
         Rule(rf"{prefix}/router/kernel", n["router"], transpose=True),
     ]
     return rules
@@ -88,12 +90,13 @@ def expert_rules(*, target: str = "vllm", names: dict[str, str] | None = None, e
 def _shared_expert_rules(fused: bool) -> list[Rule]:
     """The shared expert (DeepSeek-V3) as a dense MLP, in vLLM's Qwen2-MoE names."""
     L, q = r"layers_(\d+)/mlp/shared_expert", "model.layers.{1}.mlp.shared_expert"
+    col, row = TP_DIMS["column"], TP_DIMS["row"]
     if fused:
-        up = [Rule(rf"{L}/{x}_proj/kernel", f"{q}.gate_up_proj.weight", transpose=True, shard=0, part=i)
+        up = [Rule(rf"{L}/{x}_proj/kernel", f"{q}.gate_up_proj.weight", transpose=True, dim=col, part=i)
               for i, x in enumerate(("gate", "up"))]
     else:
-        up = [Rule(rf"{L}/(gate|up)_proj/kernel", q + ".{2}_proj.weight", transpose=True, shard=0)]
-    return [*up, Rule(rf"{L}/down_proj/kernel", f"{q}.down_proj.weight", transpose=True, shard=1)]
+        up = [Rule(rf"{L}/(gate|up)_proj/kernel", q + ".{2}_proj.weight", transpose=True, dim=col)]
+    return [*up, Rule(rf"{L}/down_proj/kernel", f"{q}.down_proj.weight", transpose=True, dim=row)]
 
 
 def qwen3_moe_rules(config: MoeConfig, *, target: str = "vllm", names: dict[str, str] | None = None,
@@ -132,8 +135,7 @@ def qwen3_moe_param_map(config: MoeConfig, source: Source, tp_ranks: Any, *, ep:
       >>> w13.shape == (cfg.num_experts // 2, cfg.moe_intermediate_size, cfg.hidden_size)
       True
     """
-    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
-        raise ValueError(f"ep must be a positive int (the expert-parallel degree), got {ep!r}.")
+    ep = check_int("ep", ep, minimum=1)  # the expert-parallel degree
     fused = target == "vllm" if fused is None else fused
     dense = [*llama_rules(config, fused=fused, vocab_pad=vocab_pad), *_shared_expert_rules(fused)]
     experts = expert_rules(target=target, names=names, ep=ep > 1)
@@ -142,14 +144,14 @@ def qwen3_moe_param_map(config: MoeConfig, source: Source, tp_ranks: Any, *, ep:
     if unmatched:
         raise ValueError(f"trainer leaves {unmatched[:3]} match no rule of the MoE recipe; is this the "
                          "jreshard.nn MoE model's tree?")
-    if ep == 1:
-        expert_grid = tp_ranks
-    else:
-        flat = np.asarray(tp_ranks).ravel()
-        if flat.size % ep:
-            raise ValueError(f"ep={ep} does not divide the {flat.size} inference ranks of tp_ranks; "
-                             "give an expert-parallel degree dividing them.")
-        expert_grid = flat.reshape(ep, -1).tolist()
+    grid = rank_grid(tp_ranks, "tp_ranks", below=SOURCE_BASE)
+    if grid.size % ep:
+        raise ValueError(f"ep={ep} does not divide the {grid.size} inference ranks of tp_ranks; "
+                         "give an expert-parallel degree dividing them.")
+    par = InferParallel.of_grid(grid)
+    if ep > 1:
+        par = dataclasses.replace(par, ep=ep, expert_tp=grid.size // ep)
+    expert_grid = par.expert_groups(grid.ravel()).tolist()
     param_map = (tp_param_map(source, dense, tp_ranks, dtype=dtype, strict=False)
                  + tp_param_map(source, experts, expert_grid, dtype=dtype, strict=False))
     return tie_lm_head(param_map) if config.tie_word_embeddings else param_map

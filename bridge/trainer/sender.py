@@ -27,8 +27,14 @@ import torch.distributed as dist
 
 from bridge.plan.bridge_plan import BridgePlan, Message
 from bridge.plan.source import Source, source_id, split_source_id
-from bridge.wire.session import SENDER, SyncError, check_plan_and_rank, new_arena, reject_sync, run_sync, torch_dtype
+from bridge.wire.bucket import Arena, Side
+from bridge.wire.gloo import check_transport
+from bridge.wire.group import check_plan_and_rank
+from bridge.wire.handshake import Role
+from bridge.wire.session import SyncSession, reject_sync, torch_dtype
+from bridge.wire.transport import Transport
 from jreshard.core.args import check_flag, check_int, check_seconds
+from jreshard.core.execution import ExecutionStats
 from jreshard.core.layout import Layout
 from jreshard.core.mesh import Mesh
 
@@ -139,12 +145,13 @@ class Sender:
         committing (host memory only); the ranks then vote on every bucket, and in a two-stage
         plan the forwarding receivers announce digests too. Off by default: on the soak benchmark
         it costs more than 5% of the sync time (docs/reliability.md); byte counts are checked
-        either way, and without digests the ranks vote only every ``bridge.wire.session.vote_every(plan)``
+        either way, and without digests the ranks vote only every ``bridge.wire.vote.vote_every(plan)``
         buckets and in the final ack.
 
     Attributes:
-      stats: of the last sync: bytes sent, those across a domain boundary, and seconds per step
-        (see ``bridge.wire.session.run_sync``).
+      last_stats: the ``jreshard.core.execution.ExecutionStats`` of the last sync (also a failed
+        one): bytes sent, those across a domain boundary, per transport and per link, and seconds
+        per step (``handshake``, ``pack``, ``vote``, ``post``, ``wait``, ``check``, ``unpack``).
     """
 
     def __init__(self, plan: BridgePlan, *, rank: int | None = None, timeout: float = 60.0,
@@ -191,11 +198,11 @@ class Sender:
         self._release: dict[tuple[int, int], list[_ShardKey]] = {}
         for key, where in last_use.items():
             self._release.setdefault(where, []).append(key)
-        self._arena = new_arena()  # bucket buffers, reused across syncs
+        self._arena = Arena()  # bucket buffers, reused across syncs
         # Per (leaf, source id) of this process: the box its shard must hold (checked on every sync).
         self._boxes = {(path, d): plan.source.layout(path).shard_box(d) for path in plan.source.paths
                        for d in plan.source.layout(path).mesh.device_ids if split_source_id(d)[0] == rank}
-        self.stats: dict[str, float] = {}
+        self.last_stats = ExecutionStats()
 
     def _shards(self, params: Any) -> dict[tuple[str, int], Any]:
         """This process's single-device shards, keyed by (leaf path, source id); checks their layouts."""
@@ -270,8 +277,11 @@ class Sender:
             cache.pop(key, None)  # a transposed shard lives only until its last piece is sent
         return sends
 
-    def sync(self, params: Any, version: int, group: dist.ProcessGroup | None = None) -> int:
+    def sync(self, params: Any, version: int, group: dist.ProcessGroup | None = None, *,
+             transport: Transport | None = None) -> int:
         """Sends one sync of ``params`` tagged ``version`` (the training step); returns it.
+
+        ``transport`` moves the payload (default: ``bridge.wire.gloo.GlooTransport`` on ``group``).
 
         Raises:
           PlanMismatchError: the ranks' plans differ (nothing moved).
@@ -281,6 +291,7 @@ class Sender:
         shards: dict = {}
         try:
             version = check_int("version", version)
+            transport = check_transport(transport, group)
             shards = self._shards(params)
         except Exception as e:  # announced to every rank before raising here
             error = e
@@ -289,10 +300,14 @@ class Sender:
             reject_sync(self.plan, rank=self.rank, group=group, ready_timeout=self.ready_timeout)
             raise error
         cache: dict = {}
-        return run_sync(self.plan, self.rank, group, role=SENDER, version=version, status=0, timeout=self.timeout,
-                        ready_timeout=self.ready_timeout, pack=lambda m, buf: self._pack(shards, cache, m, buf),
-                        recv=_no_unpack, unpack=_no_unpack, progress=self.progress, device=_torch_device(shards),
-                        arena=self._arena, checksum=self.checksum, stats=self.stats)
+        side = Side(Role.SENDER, pack=lambda m, buf: self._pack(shards, cache, m, buf), device=_torch_device(shards))
+        session = SyncSession(self.plan, self.rank, group, side, version=version, timeout=self.timeout,
+                              ready_timeout=self.ready_timeout, checksum=self.checksum, progress=self.progress,
+                              arena=self._arena, transport=transport)
+        try:
+            return session.run()
+        finally:
+            self.last_stats = session.stats
 
 
 def _torch_device(shards: dict) -> torch.device:
@@ -301,6 +316,3 @@ def _torch_device(shards: dict) -> torch.device:
         return torch.from_dlpack(x).device
     return torch.device("cpu")
 
-
-def _no_unpack(m: Message, buf: torch.Tensor) -> Any:
-    raise SyncError(f"a sender was asked to receive (message {m}); the plan is inconsistent.")

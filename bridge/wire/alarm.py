@@ -18,9 +18,10 @@ group's timeout, and keep this rank's connections open, so the ranks waiting for
 not fail either. A rank that gives up and rebuilds its group closes its connections, which
 fails its peers' collectives.
 
-The sync's waits live here too (``bridge.wire.session`` calls them): ``alarm_for`` gives a sync its
-alarm, ``wait_for`` waits for a collective, ``await_job`` for point-to-point works in the helper
-thread, and ``give_up`` raises the alarm on a transport failure.
+The sync's waits live here too: ``SyncAlarm.open`` gives one sync of one rank its alarm (passed
+explicitly to whatever waits: the session, its transport), ``SyncAlarm.wait_for`` waits for a
+collective, ``SyncAlarm.run`` runs a transport's point-to-point waits in the helper thread, and
+``SyncAlarm.give_up`` raises the alarm on a transport failure.
 
 A group built outside torch.distributed's registry gets its store through ``register_store``
 (``bridge.engines.group.open_group`` does); a group whose store is known neither way gets no alarm:
@@ -48,17 +49,17 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, TimeoutError as FutureTimeout
-from contextvars import ContextVar
-from typing import Any, NamedTuple
+from types import TracebackType
+from typing import Any
 
 import torch.distributed as dist
 
 from bridge.errors import SyncError
 
-__all__ = ["Alarm", "Waiter", "SLICE", "store_of", "register_store", "forget_store", "alarm_for", "await_job",
-           "give_up", "wait_for", "wait_once"]
+__all__ = ["Alarm", "Waiter", "SyncAlarm", "SLICE", "store_of", "register_store", "forget_store", "wait_once",
+           "wait_failure"]
 
 log = logging.getLogger("bridge")
 
@@ -97,7 +98,7 @@ def store_of(group: Any) -> Any:
 class Alarm:
     """The alarm of one sync of a group of ``size`` ranks, on ``store``.
 
-    Every rank of the group creates one per sync (``run_sync``, before its handshake): each
+    Every rank of the group creates one per sync (``SyncAlarm.open``, before its handshake): each
     adds one to a counter in the store, so the ``size`` ranks of the n-th sync all derive n,
     and the key ``bridge/alarm/<n>`` is that sync's alone.
     """
@@ -162,30 +163,17 @@ class Waiter:
             self._jobs.put(None)
 
 
-def wait_for(work, deadline: float, what: str, rank: int) -> None:
-    """Waits for the collective ``work`` until ``deadline`` (``time.monotonic()`` seconds), the sync's one
-    deadline; a failure raises the sync's alarm.
-
-    A collective is not abandoned on an alarm: left running in gloo's worker thread, it would hold up
-    ``destroy_process_group`` (so ``rebuild_group``) until the group's own timeout, and this rank's
-    connections would stay open, so the ranks that wait for it would not fail either.
-    """
-    try:
-        wait_once(work, deadline, what, rank)
-    except SyncError as e:
-        raise give_up(e) from e.__cause__
-
-
-def wait_once(work, deadline: float, what: str, rank: int) -> None:
+def wait_once(work: Any, deadline: float, what: str, rank: int) -> None:
     """Waits for ``work`` until ``deadline``; a failure raises SyncError (the alarm is the caller's to raise)."""
     left = max(deadline - time.monotonic(), 0.001)
     try:
         work.wait(datetime.timedelta(seconds=left))
     except Exception as e:  # gloo reports a dead peer, a closed pair or a timeout as RuntimeError
-        raise _failure(e, deadline, left, what, rank) from e
+        raise wait_failure(e, deadline, left, what, rank) from e
 
 
-def _failure(e: Exception, deadline: float, left: float, what: str, rank: int) -> SyncError:
+def wait_failure(e: Exception, deadline: float, left: float, what: str, rank: int) -> SyncError:
+    """The error of a wait for ``what`` that failed with ``e`` when ``left`` seconds were left before ``deadline``."""
     # Time still left means the transport failed first: the group's own (shorter) timeout, or a peer
     # that died or closed its connections.
     why = ("timeout" if time.monotonic() >= deadline - 0.01 else "the process group's timeout, shorter than "
@@ -195,74 +183,108 @@ def _failure(e: Exception, deadline: float, left: float, what: str, rank: int) -
                      "call bridge.rebuild_group(...) on every rank, then retry.")
 
 
-def await_job(job: Callable[[], None], what: str, rank: int) -> None:
-    """Runs ``job`` (point-to-point waits, which bound themselves by the deadline). With an alarm, in the
-    alarm's helper thread, checking the alarm every slice: a gloo point-to-point wait that times out
-    closes its pair, so it cannot be cut into slices."""
-    alarm = _CURRENT.get()
-    if alarm is None:
-        return job()
-    fut = alarm.waiter.submit(job)
-    try:
-        while True:
-            try:
-                return fut.result(timeout=SLICE)
-            except FutureTimeout:
-                _check_alarm(alarm, what, rank, fut.done)
-            except SyncError as e:
-                raise give_up(e) from e.__cause__
-    finally:
-        del fut  # the error's traceback holds this frame: no cycle that keeps the works (and the group) alive
+class SyncAlarm:
+    """One sync's alarm as one rank holds it, and the thread that runs its point-to-point waits.
 
+    Without a store (``alarm=None``) it rings nothing and hears nothing: waits then behave as
+    plain waits bounded by the deadline. Used as a context manager around the sync: a failure
+    that escapes other than a ``SyncError`` (which rang it where it arose, if it ended this
+    rank's part) rings it; leaving closes the helper thread.
 
-def _check_alarm(alarm: _Current, what: str, rank: int, done: Callable[[], bool]) -> None:
-    """Raises if another rank raised the alarm, unless what this rank waits for completed meanwhile (the
-    others may have finished the sync, and the store's host exited)."""
-    heard = alarm.alarm.heard()
-    if heard is not None and not done():
-        raise SyncError(f"rank {rank}: stopped waiting for {what}: another rank gave up and raised the sync's "
-                        f"alarm ({heard}). The process group is no longer usable: call bridge.rebuild_group(...) "
-                        "on every rank, then retry.")
+      >>> from bridge.errors import SyncError
+      >>> from bridge.wire.alarm import SyncAlarm
+      >>> with SyncAlarm(None, rank=0) as quiet:
+      ...     quiet.run(lambda: None, "bucket 1/1")
+      ...     str(quiet.give_up(SyncError("rank 0: gone")))
+      'rank 0: gone'
+    """
 
+    def __init__(self, alarm: Alarm | None, rank: int) -> None:
+        self.alarm, self.rank = alarm, rank
+        self.waiter = Waiter() if alarm is not None else None
+        self._on_give_up: list[Callable[[], None]] = []
 
-def give_up(e: SyncError) -> SyncError:
-    """Raises the current sync's alarm (a transport failure: this rank stops taking part); returns ``e``."""
-    alarm = _CURRENT.get()
-    if alarm is not None:
-        alarm.alarm.ring(str(e))
-    return e
-
-
-class _Current(NamedTuple):
-    """The alarm of the sync this thread runs, and the thread that waits for its point-to-point works."""
-
-    alarm: Alarm
-    waiter: Waiter
-
-
-_CURRENT: ContextVar[_Current | None] = ContextVar("bridge_alarm", default=None)
-
-
-@contextlib.contextmanager
-def alarm_for(group, rank: int, ranks: list[int]) -> Iterator[None]:
-    """Gives the sync run inside an alarm (none where the group's store is unknown); a failure that escapes
-    other than a SyncError (which rang it where it arose, if it ends this rank's part) raises it."""
-    store = store_of(group)
-    current = None
-    if store is not None:
+    @classmethod
+    def open(cls, group: Any, rank: int, size: int) -> SyncAlarm:
+        """The alarm of this rank's next sync on ``group`` (of ``size`` ranks); a quiet one where the
+        group's store is unknown or fails."""
+        store = store_of(group)
+        if store is None:
+            return cls(None, rank)
         try:
-            current = _Current(Alarm(store, rank, len(ranks)), Waiter())
+            return cls(Alarm(store, rank, size), rank)
         except Exception as e:  # noqa: BLE001 (the sync then runs without one)
             log.warning("rank %d: the sync runs without an alarm (the group's store failed: %s)", rank, e)
-    token = _CURRENT.set(current)
-    try:
-        yield
-    except SyncError:
-        raise
-    except BaseException as e:
-        give_up(SyncError(f"rank {rank}: {type(e).__name__}: {e}"))
-        raise
-    finally:
-        _CURRENT.reset(token)
-        if current is not None:
-            current.waiter.close()
+            return cls(None, rank)
+
+    def on_give_up(self, fn: Callable[[], None]) -> None:
+        """Calls ``fn`` when this rank gives up (a transport's ``abort``)."""
+        self._on_give_up.append(fn)
+
+    def give_up(self, e: SyncError) -> SyncError:
+        """Rings the alarm (a transport failure: this rank stops taking part); returns ``e``."""
+        if self.alarm is not None:
+            self.alarm.ring(str(e))
+        for fn in self._on_give_up:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 (the sync already failed: the first error is the one raised)
+                log.exception("rank %d: aborting the transport failed", self.rank)
+        return e
+
+    def wait_for(self, work: Any, deadline: float, what: str) -> None:
+        """Waits for the collective ``work`` until ``deadline`` (``time.monotonic()`` seconds), the sync's one
+        deadline; a failure rings the alarm.
+
+        A collective is not abandoned on an alarm: left running in gloo's worker thread, it would hold up
+        ``destroy_process_group`` (so ``rebuild_group``) until the group's own timeout, and this rank's
+        connections would stay open, so the ranks that wait for it would not fail either.
+        """
+        try:
+            wait_once(work, deadline, what, self.rank)
+        except SyncError as e:
+            raise self.give_up(e) from e.__cause__
+
+    def run(self, job: Callable[[], None], what: str) -> None:
+        """Runs ``job`` (point-to-point waits, which bound themselves by the deadline). With an alarm, in the
+        helper thread, checking the alarm every slice: a gloo point-to-point wait that times out closes its
+        pair, so it cannot be cut into slices. A ``SyncError`` of the job rings the alarm."""
+        if self.waiter is None:
+            try:
+                return job()
+            except SyncError as e:
+                raise self.give_up(e) from e.__cause__
+        fut = self.waiter.submit(job)
+        try:
+            while True:
+                try:
+                    return fut.result(timeout=SLICE)
+                except FutureTimeout:
+                    self._check(what, fut.done)
+                except SyncError as e:
+                    raise self.give_up(e) from e.__cause__
+        finally:
+            del fut  # the error's traceback holds this frame: no cycle that keeps the works (and the group) alive
+
+    def _check(self, what: str, done: Callable[[], bool]) -> None:
+        """Raises if another rank rang the alarm, unless what this rank waits for completed meanwhile (the
+        others may have finished the sync, and the store's host exited)."""
+        heard = self.alarm.heard() if self.alarm is not None else None
+        if heard is not None and not done():
+            raise SyncError(f"rank {self.rank}: stopped waiting for {what}: another rank gave up and raised the "
+                            f"sync's alarm ({heard}). The process group is no longer usable: call "
+                            "bridge.rebuild_group(...) on every rank, then retry.")
+
+    def close(self) -> None:
+        if self.waiter is not None:
+            self.waiter.close()
+
+    def __enter__(self) -> SyncAlarm:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        try:
+            if e is not None and not isinstance(e, SyncError):
+                self.give_up(SyncError(f"rank {self.rank}: {type(e).__name__}: {e}"))
+        finally:
+            self.close()

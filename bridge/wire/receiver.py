@@ -11,24 +11,30 @@ Example (every inference process; the trainers run ``bridge.trainer.sender.Sende
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
 import time
-from collections.abc import Mapping
-from functools import partial
-from typing import Any, NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from bridge.plan.bridge_plan import BridgePlan, Message, _aligned
+from bridge.plan.bridge_plan import BridgePlan
 from bridge.plan.dtensor import dtensor_params
 from bridge.plan.param_map import Param, ParamMap
 from bridge.plan.source import Source
-from bridge.wire.session import RECEIVER, check_plan_and_rank, new_arena, reject_sync, run_sync, torch_dtype
+from bridge.wire.bucket import Arena
+from bridge.wire.commit import CommitStrategy, HeldCommit, InPlaceCommit, ShadowCommit, SwapCommit, Wiring
+from bridge.wire.gloo import check_transport
+from bridge.wire.group import check_plan_and_rank
+from bridge.wire.session import SyncSession, reject_sync, torch_dtype
+from bridge.wire.transport import Transport
 from jreshard.core.args import check_flag, check_seconds
+from jreshard.core.execution import ExecutionStats
 
 __all__ = ["Receiver", "dtensor_param_map"]
 
@@ -99,54 +105,6 @@ def dtensor_param_map(source: Source, params: Mapping[str, tuple[Any, str, Any]]
 
 
 
-class _Recv(NamedTuple):
-    """One receive of a message: straight into ``param.view(view)[box]``, or into buffer bytes ``[start, stop)``."""
-
-    param: str | None
-    box: tuple[slice, ...] | None
-    start: int
-    stop: int
-    view: tuple[int, ...] = ()
-
-
-class _Unpack(NamedTuple):
-    """Copy buffer bytes ``[offset, offset + nbytes)``, as ``shape`` of ``dtype``, into ``param.view(view)[box]``."""
-
-    param: str
-    box: tuple[slice, ...]
-    offset: int
-    nbytes: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    view: tuple[int, ...]
-
-
-class _Steps(NamedTuple):
-    """How this rank receives one message: one receive per segment, then the unpacking copies."""
-
-    recvs: list[_Recv]
-    unpacks: list[_Unpack]
-
-
-class _Forward(NamedTuple):
-    """One send of a stage-2 message: ``param.view(view)[box]`` as it is (``direct``), or the
-    ``pieces`` (unpacking copies run backwards) packed into buffer bytes ``[start, stop)``."""
-
-    start: int
-    stop: int
-    direct: _Unpack | None
-    pieces: list[_Unpack]
-
-
-class _Held(NamedTuple):
-    """Where one message lands in the held bytes of a sync committed by unpacking: bytes ``[base, base +
-    nbytes)``, its segments' ``(start, stop)`` within them, and every piece's copy into the params."""
-
-    base: int
-    nbytes: int
-    segments: list[tuple[int, int]]
-    unpacks: list[_Unpack]
-
 
 class Receiver:
     """Receives syncs into this rank's torch parameters.
@@ -185,8 +143,12 @@ class Receiver:
 
     Attributes:
       version: the training step of the weights now in ``params`` (``None`` before the first sync).
-      stats: of the last sync (also a failed one): bytes sent and received, those across a
-        domain boundary, and seconds per step (see ``bridge.wire.session.run_sync``).
+      strategy: how this receiver lands and commits a sync (``bridge.wire.commit``), chosen from
+        ``atomic`` and ``swap`` once.
+      last_stats: the ``jreshard.core.execution.ExecutionStats`` of the last sync (also a failed
+        one): bytes sent and received, those across a domain boundary, per transport and per
+        link, and seconds per step (``handshake``, ``pack``, ``vote``, ``post``, ``wait``,
+        ``check``, ``unpack``, then ``commit``).
     """
 
     def __init__(self, plan: BridgePlan, params: Mapping[str, Any], *, rank: int | None = None,
@@ -228,182 +190,82 @@ class Receiver:
         self.swap = swap
         self.version: int | None = None
         self.consistent = True
-        self._shadow: dict[str, torch.Tensor] | None = None
-        self._hold: torch.Tensor | None = None
-        self._arena = new_arena()
-        # Parts of params that no region writes (padded rows): the shadow takes them from the
-        # parameters before each sync.
-        self._uncovered = {p.name: boxes for p in mine if (boxes := _uncovered(p))}
-        self._steps = self._compile()
-        self._forwards = self._compile_forwards()
-        # Committed by unpacking the held bytes: atomic, no swap, nothing forwarded from a copy of the params.
-        self._held = self._compile_held() if atomic and not swap and not self._forwards else None
-        self.stats: dict[str, float] = {}
+        self._arena = Arena()
+        self.strategy = self._strategy(mine)
+        self.last_stats = ExecutionStats()
 
-    def _compile(self) -> dict[tuple[int, int], _Steps]:
-        """Per (bucket, sender rank): the receives and unpacking copies of its message."""
-        out: dict[tuple[int, int], _Steps] = {}
-        for m in self.plan.messages:
-            if m.dst != self.rank:
-                continue
-            unpacks = [self._piece(i, off, self.rank) for i, off in m.pieces]
-            recvs, direct = [], set()
-            for seg in self.plan.segments(m):
-                if seg.dst_direct and seg.piece is not None:  # straight into the param: no unpacking
-                    direct.add(seg.piece)
-                    u = unpacks[seg.piece]
-                    recvs.append(_Recv(u.param, u.box, 0, 0, u.view))
-                else:
-                    recvs.append(_Recv(None, None, seg.start, seg.stop))
-            out[(m.bucket, m.src)] = _Steps(recvs, [u for k, u in enumerate(unpacks) if k not in direct])
-        return out
-
-    def _piece(self, i: int, off: int, rank: int) -> _Unpack:
-        """Plan move ``i`` at byte ``off`` of its message, as a block of ``rank``'s copy of its param."""
-        t = self.plan.moves[i]
-        box = self.plan.param_box(t, rank)  # pieces travel in torch dim order
-        dtype = torch_dtype(self.plan.param(t.param, rank).dtype)
-        return _Unpack(t.param, box, off, t.nbytes, tuple(s.stop - s.start for s in box), dtype,
-                       self.plan.view_of(t, rank))
-
-    def _compile_held(self) -> dict[tuple[int, int], _Held]:
-        """Per (bucket, sender rank): where its message lands in the held bytes, and its copies into the params."""
-        out, base = {}, 0
-        for m in self.plan.messages:
-            if m.dst != self.rank:
-                continue
-            out[(m.bucket, m.src)] = _Held(base, m.nbytes, [(g.start, g.stop) for g in self.plan.segments(m)],
-                                           [self._piece(i, off, self.rank) for i, off in m.pieces])
-            base += _aligned(m.nbytes)
-        return out
-
-    def _compile_forwards(self) -> dict[tuple[int, int], list[_Forward]]:
-        """Per (bucket, receiving rank): the sends of this rank's stage-2 message, one per segment."""
-        out: dict[tuple[int, int], list[_Forward]] = {}
-        for m in self.plan.messages:
-            if m.src != self.rank:
-                continue
-            sends = []
-            for seg, members in zip(self.plan.segments(m), self.plan.segment_pieces(m), strict=True):
-                pieces = [self._piece(i, off, self.rank) for i, off in members]
-                sends.append(_Forward(seg.start, seg.stop, pieces[0] if seg.src_direct else None, pieces))
-            out[(m.bucket, m.dst)] = sends
-        return out
-
-    def _forward(self, into: dict[str, torch.Tensor], m: Message, buf: torch.Tensor) -> list[torch.Tensor]:
-        out = []
-        for f in self._forwards[(m.bucket, m.dst)]:
-            if f.direct is not None:  # one contiguous block of this rank's copy: sent as it is
-                out.append(into[f.direct.param].view(f.direct.view)[f.direct.box].reshape(-1).view(torch.uint8))
-                continue
-            for u in f.pieces:
-                buf[u.offset:u.offset + u.nbytes].view(u.dtype).view(u.shape).copy_(into[u.param].view(u.view)[u.box])
-            out.append(buf[f.start:f.stop])
-        return out
-
-    def _recv(self, into: dict[str, torch.Tensor], m: Message, buf: torch.Tensor) -> list[torch.Tensor]:
-        return [buf[r.start:r.stop] if r.param is None else into[r.param].view(r.view)[r.box].view(-1).view(torch.uint8)
-                for r in self._steps[(m.bucket, m.src)].recvs]
-
-    def _unpack(self, into: dict[str, torch.Tensor], m: Message, buf: torch.Tensor) -> None:
-        for u in self._steps[(m.bucket, m.src)].unpacks:
-            into[u.param].view(u.view)[u.box].copy_(buf[u.offset:u.offset + u.nbytes].view(u.dtype).view(u.shape))
-
-    @staticmethod
-    def _recv_held(held: dict[tuple[int, int], _Held], hold: torch.Tensor, m: Message,
-                   buf: torch.Tensor) -> list[torch.Tensor]:
-        h = held[(m.bucket, m.src)]
-        return [hold[h.base + start:h.base + stop] for start, stop in h.segments]
-
-    def _commit_held(self, held: dict[tuple[int, int], _Held], hold: torch.Tensor) -> None:
-        """Unpacks every held message into the params (after the final ack)."""
-        for h in held.values():
-            for u in h.unpacks:
-                at = h.base + u.offset
-                self.params[u.param].view(u.view)[u.box].copy_(hold[at:at + u.nbytes].view(u.dtype).view(u.shape))
-
-    def _held_bytes(self, held: dict[tuple[int, int], _Held], device: torch.device) -> torch.Tensor:
-        """The memory a sync committed by unpacking lands in: every message to this rank, each at its base."""
-        last = max(held.values(), key=lambda h: h.base, default=None)
-        total = max(last.base + last.nbytes if last is not None else 0, 1)
-        if self._hold is None or self._hold.numel() < total or self._hold.device != device:
-            self._hold = None
-            self._hold = torch.empty(total, dtype=torch.uint8, device=device)
-        return self._hold
-
-    def _staging(self) -> dict[str, torch.Tensor]:
-        """Where this sync writes: the shadow (atomic; uncovered parts taken from the params) or the params."""
+    def _strategy(self, mine: Sequence[Param]) -> CommitStrategy:
+        """The commit strategy that ``atomic`` and ``swap`` ask for (``bridge.wire.commit``)."""
+        wiring = Wiring(self.plan, self.rank)
         if not self.atomic:
-            return self.params
-        if self._shadow is None:
-            self._shadow = {k: torch.empty_like(v) for k, v in self.params.items()}
-        for name, boxes in self._uncovered.items():
-            for view, box in boxes:
-                self._shadow[name].view(view)[box].copy_(self.params[name].view(view)[box])
-        return self._shadow
+            return InPlaceCommit(wiring, self.params)
+        # Parts of params that no region writes (padded rows): a shadow takes them from the params.
+        uncovered = {p.name: boxes for p in mine if (boxes := _uncovered(p))}
+        if self.swap:
+            return SwapCommit(wiring, self.params, uncovered, self._owners)
+        if wiring.forwards:  # a stage-2 forwarder reads what it forwards from a shadow copy
+            return ShadowCommit(wiring, self.params, uncovered)
+        return HeldCommit(wiring, self.params)
 
-    def sync(self, group: dist.ProcessGroup | None = None) -> int:
+    def sync(self, group: dist.ProcessGroup | None = None, *, transport: Transport | None = None) -> int:
         """Receives one sync; returns its version (the trainers' step).
+
+        ``transport`` moves the payload (default: ``bridge.wire.gloo.GlooTransport`` on ``group``).
 
         Raises:
           PlanMismatchError: the ranks' plans differ (nothing moved, weights unchanged).
           SyncError: a peer died, stalled past ``timeout`` or failed; with ``atomic=True``
             the weights and ``version`` are unchanged. Recreate the process group, then retry.
         """
-        held, device = self._held, next(iter(self.params.values())).device
+        transport = check_transport(transport, group)
         try:
-            if held is not None:  # received into the held bytes, unpacked into the params after the final ack
-                hold = self._held_bytes(held, device)
-                pack, recv, unpack = _nothing_to_forward, partial(self._recv_held, held, hold), _nothing_to_unpack
-                commit = partial(self._commit_held, held, hold)
-            else:
-                into = self._staging()
-                pack, recv = partial(self._forward, into), partial(self._recv, into)
-                unpack, commit = partial(self._unpack, into), partial(self._commit_shadow, into)
+            side = self.strategy.begin(next(iter(self.params.values())).device)
         except Exception:  # e.g. out of memory for the shadow: every other rank learns at once
             reject_sync(self.plan, rank=self.rank, group=group, ready_timeout=self.ready_timeout)
             raise
         if not self.atomic:
             self.consistent = False
-        version = run_sync(self.plan, self.rank, group, role=RECEIVER, version=-1, status=0, timeout=self.timeout,
-                           ready_timeout=self.ready_timeout, pack=pack, recv=recv, unpack=unpack,
-                           progress=self.progress, device=device, arena=self._arena, stats=self.stats,
-                           stage_recvs=held is None)
+        session = SyncSession(self.plan, self.rank, group, side, version=-1, timeout=self.timeout,
+                              ready_timeout=self.ready_timeout, progress=self.progress, arena=self._arena,
+                              transport=transport)
+        try:
+            version = session.run()
+        finally:
+            self.last_stats = session.stats
         start = time.perf_counter()
         with torch.no_grad():
-            commit()
-        self.stats["commit"] = time.perf_counter() - start
+            self.strategy.commit()
+        stats = self.last_stats
+        self.last_stats = dataclasses.replace(
+            stats, step_seconds={**stats.step_seconds, "commit": time.perf_counter() - start})
         self.consistent = True
         self.version = version
         return version
 
-    def _commit_shadow(self, shadow: dict[str, torch.Tensor]) -> None:
-        """Commits a sync received into ``shadow`` (nothing to do when it was the params themselves)."""
-        if not self.atomic:
-            return
-        for name, dst in list(self.params.items()):
-            if self.swap:
-                # The same tensor objects now hold the staging storage; the old storage
-                # becomes the next sync's staging (no copy).
-                self._owners[name].data = shadow[name]
-                self.params[name], shadow[name] = shadow[name], dst
-            else:
-                dst.copy_(shadow[name])
+    def rebind(self, name: str, tensor: torch.Tensor) -> None:
+        """Makes the next syncs write param ``name`` into ``tensor`` instead of the tensor given before.
+
+        ``tensor`` must be a contiguous ``torch.Tensor`` of the param's local shape, dtype and device;
+        the receiver then holds that one object for ``name`` (for an engine that hands the received
+        storage to its model and gives the receiver fresh storage, or its own back).
+        """
+        if name not in self.params:
+            raise ValueError(f"name {name!r} is not a param of rank {self.rank}; its params are "
+                             f"{sorted(self.params)[:3]}...")
+        if not isinstance(tensor, torch.Tensor) or hasattr(tensor, "placements"):
+            raise TypeError(f"tensor must be a plain torch.Tensor, got {type(tensor).__name__}.")
+        old = self.params[name]
+        if (tensor.shape, tensor.dtype, tensor.device) != (old.shape, old.dtype, old.device) or \
+                not tensor.is_contiguous():
+            raise ValueError(f"tensor for {name!r} is {tuple(tensor.shape)} {tensor.dtype} on {tensor.device}; "
+                             f"pass a contiguous {tuple(old.shape)} {old.dtype} tensor on {old.device}.")
+        self.params[name] = self._owners[name] = tensor
 
     def release_staging(self) -> None:
         """Frees the memory an atomic sync lands in (the held bytes or the shadow copy) and the bucket
         buffers (rebuilt on the next sync)."""
-        self._shadow = None
-        self._hold = None
-        self._arena = new_arena()
-
-
-def _nothing_to_forward(m: Message, buf: torch.Tensor) -> list[torch.Tensor]:
-    raise RuntimeError(f"rank {m.src} was asked to forward message {m}, but its plan gave it nothing to forward.")
-
-
-def _nothing_to_unpack(m: Message, buf: torch.Tensor) -> None:
-    """A held message is unpacked after the final ack, not as it arrives."""
+        self.strategy.release()
+        self._arena.clear()
 
 
 def _uncovered(param: Param) -> list[tuple[tuple[int, ...], tuple[slice, ...]]]:

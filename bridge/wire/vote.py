@@ -1,7 +1,7 @@
 """Votes: what every rank announces before a bucket's payload moves (torch, never jax).
 
 Before the payload of a voted bucket ``b`` is posted (every bucket when digests are on,
-else every ``bridge.wire.session.vote_every(plan)`` buckets, then the final ack), every rank
+else every ``vote_every(plan)`` buckets, then the final ack), every rank
 contributes one fixed-length int64 row to an ``all_gather`` (the vote): its status (ok,
 or what failed on it and where, in this bucket or since the last vote), and, for every
 segment it sends in ``b``, the byte count it is about to send, then an xxh3-64 digest of
@@ -33,11 +33,12 @@ from bridge.plan.bridge_plan import BridgePlan, Message
 from bridge.wire.digest import digest
 
 __all__ = ["Code", "Status", "Failure", "row_length", "make_row", "send_digests", "verdict", "digests",
-           "expected_digests", "describe", "UNCHECKED"]
+           "expected_digests", "check_received", "describe", "vote_every", "UNCHECKED", "VOTE_BYTES"]
 
 TEXT_WORDS = 24  # 192 bytes of an error message travel with a failure status
 HEAD = 6 + TEXT_WORDS  # code, bucket, peer, move, checksummed, text length, text
 UNCHECKED = 0  # a digest of 0 means "not computed" (checksums off)
+VOTE_BYTES = 1 << 30  # without digests, a vote before at most this many bytes of buckets per rank
 
 
 class Code(enum.IntEnum):
@@ -172,6 +173,20 @@ def expected_digests(plan: BridgePlan, bucket: int, rank: int, ranks: Sequence[i
     return out
 
 
+def check_received(plan: BridgePlan, recvs: Sequence[Message], tensors: Sequence[Sequence[torch.Tensor]], bucket: int,
+                   expected: dict[tuple[int, int], int]) -> Status:
+    """This rank's status once ``recvs`` (received into ``tensors``, one list per message) arrived: a
+    checksum failure naming the first piece whose digest differs from the one announced, else ok."""
+    for m, xs in zip(recvs, tensors, strict=True):
+        like = {i: expected.get((m.src, i), UNCHECKED) for i, _ in m.pieces}
+        got = digests(plan, m, xs, like) if any(like.values()) else []
+        for (i, _), d in zip(m.pieces, got, strict=False):
+            want = expected.get((m.src, i), UNCHECKED)
+            if want != UNCHECKED and d != UNCHECKED and d != want:
+                return Status(Code.CHECKSUM, bucket, m.src, i, "checksum mismatch")
+    return Status()
+
+
 def describe(plan: BridgePlan, rank: int, failure: Failure) -> str:
     """The error every rank raises for ``failure`` (``rank`` is the rank raising it)."""
     who, s = failure.rank, failure.status
@@ -189,3 +204,17 @@ def describe(plan: BridgePlan, rank: int, failure: Failure) -> str:
                 f"{where}{piece}: {s.text}; that message was not sent and nothing was committed. Run one bridge "
                 "version and one plan on every rank.")
     return f"rank {rank}: rank {who} failed in {where}: {s.text}; nothing was committed."
+
+
+def vote_every(plan: BridgePlan) -> int:
+    """Without digests, the ranks vote before every this many buckets' payload (and in the final ack).
+
+    A failure between votes is announced in the next one: until then the failed rank sends and
+    receives staging bytes of the planned sizes, and nothing is committed.
+
+    Example:
+      >>> from bridge.wire.vote import VOTE_BYTES
+      >>> VOTE_BYTES >> 20  # MiB per rank between votes at most
+      1024
+    """
+    return max(1, VOTE_BYTES // plan.bucket_bytes)

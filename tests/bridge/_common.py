@@ -5,17 +5,19 @@ Importable without jax and torch (the worker processes import it before choosing
 
 from __future__ import annotations
 
+import json
 import os
-import signal
-import socket
-import subprocess
-import time
-from collections.abc import Iterable
+import sys
+import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from jreshard.nn import LlamaConfig, fsdp_spec, param_shapes
+from tests._procs import free_port, free_ports, kill_all, wait_all  # noqa: F401  (the tests call them as C.*)
+from tests.helpers import hf_state
 
 TRAINERS = (0, 1)  # torch ranks of the JAX processes (2 simulated devices each, FSDP over 4)
 RECEIVERS = (2, 3)  # torch ranks of the inference processes (TP2)
@@ -29,36 +31,9 @@ E2E_VOCAB_PAD = 384  # llama-tiny's 1024 rows padded to 1152: TP rank 1 holds 44
 SLACK = 10.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def worker_env(**extra: str) -> dict[str, str]:
     """The environment of a worker process: one thread, unbuffered output, plus ``extra``."""
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
-
-
-def kill_all(procs: Iterable[subprocess.Popen]) -> None:
-    """SIGKILLs the process group of every worker still running (each started with start_new_session)."""
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(10)
-
-
-def wait_all(procs: Iterable[subprocess.Popen], limit: float) -> None:
-    """Waits for every worker within one deadline ``limit`` seconds away, then kills what is left."""
-    procs = list(procs)
-    deadline = time.monotonic() + limit
-    try:
-        for p in procs:
-            p.wait(max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        kill_all(procs)
 
 
 def read_logs(out: Path, pattern: str = "*.log", tail: int = 2000) -> str:
@@ -111,21 +86,11 @@ def vllm_shards(arrays: dict[str, np.ndarray], config: LlamaConfig, tp: int, *, 
                 vocab_pad: int) -> list[dict[str, np.ndarray]]:
     """Every TP rank's Hugging Face-named local tensors, sliced the way vLLM shards Llama (the oracle).
 
-    Written independently of bridge's mapping code: full torch weights first, then slices.
+    Written independently of bridge's mapping code: full Hugging Face weights first (``tests.helpers.hf_state``,
+    without the Qwen3 q/k norms), then slices.
     """
     c = config
-    full = {"model.embed_tokens.weight": arrays["embed/embedding"], "model.norm.weight": arrays["final_norm/scale"]}
-    full["lm_head.weight"] = arrays["embed/embedding" if c.tie_word_embeddings else "lm_head/kernel"]
-    if not c.tie_word_embeddings:
-        full["lm_head.weight"] = full["lm_head.weight"].T
-    for i in range(c.num_hidden_layers):
-        j, h = f"layers_{i}/", f"model.layers.{i}."
-        for n in "qkvo":
-            full[h + f"self_attn.{n}_proj.weight"] = arrays[j + f"attn/{n}_proj/kernel"].T
-        for n in ("gate", "up", "down"):
-            full[h + f"mlp.{n}_proj.weight"] = arrays[j + f"mlp/{n}_proj/kernel"].T
-        full[h + "input_layernorm.weight"] = arrays[j + "input_norm/scale"]
-        full[h + "post_attention_layernorm.weight"] = arrays[j + "post_attention_norm/scale"]
+    full = {k: v for k, v in hf_state(arrays, c).items() if not k.endswith(("q_norm.weight", "k_norm.weight"))}
     ranks: list[dict[str, np.ndarray]] = [{} for _ in range(tp)]
     padded = -(-c.vocab_size // vocab_pad) * vocab_pad
     for name, w in full.items():
@@ -155,3 +120,46 @@ def vllm_shards(arrays: dict[str, np.ndarray], config: LlamaConfig, tp: int, *, 
                 d[h + "mlp.gate_up_proj.weight"] = np.concatenate(
                     [d.pop(h + f"mlp.{n}_proj.weight") for n in ("gate", "up")])
     return ranks
+
+
+# ------------------------------------------------------------------ worker processes
+# What a worker process records (``events``) and writes to ``rank{r}.json`` for its test to read.
+events: dict = {}
+
+
+def save(out: str, rank: int, suffix: str = "") -> None:
+    """Writes ``events`` to ``out/rank{rank}{suffix}.json`` atomically (a test may read it any time)."""
+    name = os.path.join(out, f"rank{rank}{suffix}.json")
+    with open(name + ".tmp", "w") as f:
+        json.dump(events, f, indent=1)
+    os.replace(name + ".tmp", name)
+
+
+def nest(flat: dict[str, Any]) -> dict:
+    """``{"a/b": x}`` -> ``{"a": {"b": x}}``: a trainer's leaves by path as the pytree they came from."""
+    nested: dict = {}
+    for path, v in flat.items():
+        node = nested
+        *head, last = path.split("/")
+        for k in head:
+            node = node.setdefault(k, {})
+        node[last] = v
+    return nested
+
+
+def run_worker(args: Any, trainer: Callable[[int, Any], None], receiver: Callable[[int, Any], None], *,
+               suffix: str = "", exit_trainers: bool = True) -> None:
+    """Runs this worker's side (``args.rank`` in ``TRAINERS``: ``trainer``), recording a crash, whether jax
+    was imported and completion in ``events``, saved whatever happens. A trainer exits at once after
+    (``exit_trainers``): jax.distributed's shutdown barrier would wait for a trainer already gone."""
+    side = trainer if args.rank in TRAINERS else receiver
+    try:
+        side(args.rank, args)
+        events.update(jax_imported="jax" in sys.modules, done=True)
+    except Exception:
+        events["crash"] = traceback.format_exc()
+        raise
+    finally:
+        save(args.out, args.rank, suffix)
+    if side is trainer and exit_trainers:
+        os._exit(0)

@@ -10,8 +10,9 @@ overlap. Results go to ``fault{rank}.json`` (``fault{rank}_standby{k}.json`` for
 fault the error, the seconds from the start of the sync call to the error and the time of the
 error; a victim writes the time of its death to ``dead{k}`` just before it dies.
 
-Faults are injected by ``_fault`` below, a test-only hook: it wraps the sender's pack, or
-``torch.distributed``'s calls in this process, for the faulty sync only. Names:
+Faults are injected by ``_fault`` below, for the faulty sync only: it wraps the sender's pack, gives the
+sync a transport that wraps the gloo one (``Faulty``: a fault on the wire or a death while posting), or
+wraps ``torch.distributed.all_gather`` (the control traffic: the handshake, the votes). Names:
 
   flip               rank 0 flips a byte of a packed message after its digest was taken (bucket 2)
   truncate / extend  rank 0's pack gives a segment 8 bytes short / long (bucket 2)
@@ -42,10 +43,10 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import bridge  # noqa: E402
-from bridge.wire import session as _wire  # noqa: E402
-from bridge.wire.session import SENDER, run_sync  # noqa: E402
+from bridge.wire.gloo import GlooTransport  # noqa: E402
+from bridge.wire.transport import Kind  # noqa: E402
 from jreshard import Layout  # noqa: E402
-from tests.bridge.wire_worker import sender as wire_sender  # noqa: E402
+from tests.bridge.wire_worker import send, sender as wire_sender  # noqa: E402
 
 TIMEOUT = 4.0  # the deadline of every sync after its handshake
 STALL = TIMEOUT + 1.5  # a stalled rank sleeps past every other rank's deadline
@@ -57,7 +58,7 @@ def make_plan() -> tuple[bridge.BridgePlan, dict[str, np.ndarray]]:
     mesh = bridge.trainer_mesh((2,), "fsdp", [0], 2)
     src = bridge.Source({"w": Layout((64, 48), mesh, ("fsdp",), "float32"),
                          "v": Layout((48,), mesh, (), "float32")})
-    rules = [bridge.Rule("w", "linear.weight", transpose=True, shard=0), bridge.Rule("v", "norm.weight")]
+    rules = [bridge.Rule("w", "linear.weight", transpose=True, dim=0), bridge.Rule("v", "norm.weight")]
     plan = bridge.BridgePlan(src, bridge.tp_param_map(src, rules, [1, 2], dtype="bfloat16"), bucket_bytes=1024)
     rng = np.random.default_rng(0)
     return plan, {"w": rng.standard_normal((64, 48), dtype=np.float32), "v": rng.standard_normal(48, dtype=np.float32)}
@@ -77,10 +78,24 @@ def stalled(fault: str) -> int | None:
     return {"stall_sender": 0, "stall_ack": 2}.get(fault)
 
 
+class Faulty(GlooTransport):
+    """The gloo transport, with ``on_post(n, ops)`` called before its ``n``-th post (1-based)."""
+
+    def __init__(self, on_post) -> None:
+        super().__init__(None)
+        self.on_post, self.posts = on_post, 0
+
+    def post(self, ops):
+        self.posts += 1
+        self.on_post(self.posts, ops)
+        return super().post(ops)
+
+
 def _fault(fault: str, rank: int, plan: bridge.BridgePlan, pack, dead: Path):
-    """Installs ``fault`` for this process's next sync; returns the (possibly wrapped) pack and an undo."""
-    real_batch, real_gather = _wire._post, dist.all_gather
-    calls = {"batch": 0, "gather": 0}
+    """Installs ``fault`` for this process's next sync; returns the (possibly wrapped) pack, the transport
+    and an undo."""
+    real_gather = dist.all_gather
+    calls = {"gather": 0}
     final_gather = plan.num_buckets + 2  # the handshake, one vote per bucket, then the final ack
     mine = victim(fault) == rank
 
@@ -88,15 +103,13 @@ def _fault(fault: str, rank: int, plan: bridge.BridgePlan, pack, dead: Path):
         dead.write_text(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
 
-    def batch(ops, *rest):
-        calls["batch"] += 1
-        if calls["batch"] == 2:
+    def on_post(n, ops):
+        if n == 2:
             if fault == "flip" and rank == 0:
-                t = next(op.buf for op in ops if op.fn is dist.isend)
+                t = next(op.buf for op in ops if op.kind == Kind.SEND)
                 t[0] = t[0] ^ 0xFF
             if mine and fault.endswith("_mid"):
                 die()
-        return real_batch(ops, *rest)
 
     def gather(*args, **kwargs):
         calls["gather"] += 1
@@ -125,12 +138,12 @@ def _fault(fault: str, rank: int, plan: bridge.BridgePlan, pack, dead: Path):
             time.sleep(STALL)
         return segs
 
-    _wire._post, dist.all_gather = batch, gather
+    dist.all_gather = gather
 
     def undo():
-        _wire._post, dist.all_gather = real_batch, real_gather
+        dist.all_gather = real_gather
 
-    return wrapped, undo
+    return wrapped, Faulty(on_post), undo
 
 
 def main() -> None:
@@ -153,14 +166,14 @@ def main() -> None:
     params = {p.name: torch.zeros(p.shape, dtype=torch.bfloat16) for p in plan.param_map.for_rank(rank)}
     rec = None if rank == 0 else bridge.Receiver(plan, params, rank=rank, timeout=TIMEOUT, ready_timeout=60)
 
-    def sync(version: int, pack=None) -> None:
+    def sync(version: int, pack=None, transport=None) -> None:
         if rank == 0:
             scaled = {k: a * version for k, a in arrays.items()}
-            run_sync(plan, 0, None, role=SENDER, version=version, status=0, timeout=TIMEOUT, ready_timeout=60,
-                     pack=pack or wire_sender(plan, scaled, 0.0), recv=None, unpack=None, checksum=True)
+            send(plan, pack or wire_sender(plan, scaled, 0.0), version=version, timeout=TIMEOUT, ready_timeout=60,
+                 checksum=True, transport=transport)
         else:
             assert rec is not None
-            rec.sync()
+            rec.sync(transport=transport)
 
     def exact(version: int) -> bool:
         want = plan.reference({k: a * version for k, a in arrays.items()})[rank]
@@ -189,10 +202,10 @@ def main() -> None:
             v = 2 * k + 2
             scaled = {key: a * v for key, a in arrays.items()}
             before = {key: t.clone() for key, t in params.items()}
-            pack, undo = _fault(fault, rank, plan, wire_sender(plan, scaled, 0.0), out / f"dead{k}")
+            pack, transport, undo = _fault(fault, rank, plan, wire_sender(plan, scaled, 0.0), out / f"dead{k}")
             t0 = time.perf_counter()
             try:
-                sync(v, pack)
+                sync(v, pack, transport)
                 events["faults"][fault] = {"ok": True}
             except bridge.SyncError as e:
                 events["faults"][fault] = {

@@ -6,7 +6,7 @@ quantize its linear layers (and stacked experts) where their shards are
 (``bridge.trainer.fp8.quantize_params``) and sync them, then sync the same weights in
 bfloat16. The receivers (TP2, vLLM's names: fused ``qkv_proj``/``gate_up_proj``, FusedMoE's
 ``w13_weight``/``w2_weight``) hold the FP8 weights as ``torch.float8_e4m3fn`` and record the
-bytes they received (``Receiver.stats``). Results go under --out, per model ``m``:
+bytes they received (``Receiver.last_stats``). Results go under --out, per model ``m``:
 ``{m}_params.npz`` (the trainer's float32 leaves), ``{m}_jax_logits.npy``,
 ``rank{r}_{m}_fp8.npz`` (FP8 weights as their raw bytes, scales, the rest as float32); and
 ``rank{r}.json`` (events, per model under ``events[m]``).
@@ -18,7 +18,6 @@ import argparse
 import os
 import sys
 import time
-import traceback
 
 import numpy as np
 
@@ -26,7 +25,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import _common as C  # noqa: E402
-from worker import _nest, events, save  # noqa: E402
 
 import bridge  # noqa: E402
 from jreshard.core.fp8 import Fp8Format  # noqa: E402
@@ -81,7 +79,7 @@ def trainer(rank: int, args) -> None:
                                initialization_timeout=120)
     mesh = jax.make_mesh((4,), ("fsdp",), devices=jax.devices(), axis_types=(jax.sharding.AxisType.Auto,))
     bridge.init_group(rank, C.WORLD, port=args.port, timeout=120)
-    events["start_seconds"] = time.perf_counter() - t0  # imports, jax.distributed, the sync group
+    C.events["start_seconds"] = time.perf_counter() - t0  # imports, jax.distributed, the sync group
     for version, model in enumerate(MODELS):
         _train_side(rank, args, mesh, model, version=2 * version + 1)
 
@@ -95,12 +93,12 @@ def _train_side(rank: int, args, mesh, model: str, version: int) -> None:
     from bridge.trainer.sender import Sender, flatten_params
     from jreshard import nn as jnn
 
-    ev = events[model] = {}
+    ev = C.events[model] = {}
     fp8, fp8_plan, bf16_plan = plans(model)
     cfg = MODELS[model][0]()
     t0 = time.perf_counter()
     shardings = {p: NamedSharding(mesh, P(*fsdp_spec(p, s))) for p, s in param_shapes(cfg).items()}
-    params = jax.jit(lambda key: jnn.init_params(cfg, key), out_shardings=_nest(shardings))(jax.random.key(0))
+    params = jax.jit(lambda key: jnn.init_params(cfg, key), out_shardings=C.nest(shardings))(jax.random.key(0))
     tok = jax.make_array_from_callback((2, 16), NamedSharding(mesh, P()), lambda idx: C.tokens(cfg)[idx])
     logits = jax.jit(lambda p, t: jnn.logits(cfg, p, t), out_shardings=NamedSharding(mesh, P()))(params, tok)
     # Every leaf replicated in one program (one compile), then read from a local device.
@@ -120,7 +118,7 @@ def _train_side(rank: int, args, mesh, model: str, version: int) -> None:
         t0 = time.perf_counter()
         Sender(plan, rank=rank, timeout=TIMEOUT).sync(tree, version=v)
         ev[phase] = {"ok": True, "seconds": time.perf_counter() - t0}
-        save(args.out, rank)
+        C.save(args.out, rank)
 
 
 def receiver(rank: int, args) -> None:
@@ -132,7 +130,7 @@ def receiver(rank: int, args) -> None:
 def _receive_side(rank: int, args, model: str) -> None:
     import torch
 
-    ev = events[model] = {}
+    ev = C.events[model] = {}
     fp8, fp8_plan, bf16_plan = plans(model)
     held = {p.name: torch.zeros(p.shape, dtype=getattr(torch, p.dtype)) for p in fp8.param_map.for_rank(rank)}
     bf16 = {p.name: torch.zeros(p.shape, dtype=torch.bfloat16) for p in bf16_plan.param_map.for_rank(rank)}
@@ -141,13 +139,13 @@ def _receive_side(rank: int, args, model: str) -> None:
         t0 = time.perf_counter()
         version = rec.sync()
         ev[phase] = {"ok": True, "version": version, "seconds": time.perf_counter() - t0,
-                     "bytes": rec.stats["received"]}
+                     "bytes": rec.last_stats.received_bytes}
         if phase == "fp8":
             ev["fp8_dtypes"] = sorted({str(t.dtype) for t in held.values()})
             np.savez(os.path.join(args.out, f"rank{rank}_{model}_fp8.npz"),
                      **{n: t.view(torch.uint8).numpy() if t.dtype == torch.float8_e4m3fn else t.float().numpy()
                         for n, t in held.items()})
-        save(args.out, rank)
+        C.save(args.out, rank)
 
 
 def main() -> None:
@@ -156,17 +154,7 @@ def main() -> None:
         ap.add_argument(flag, type=int, default=0)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    side = trainer if args.rank in C.TRAINERS else receiver
-    try:
-        side(args.rank, args)
-        events.update(jax_imported="jax" in sys.modules, done=True)
-    except Exception:
-        events["crash"] = traceback.format_exc()
-        raise
-    finally:
-        save(args.out, args.rank)
-    if side is trainer:
-        os._exit(0)  # skip jax.distributed's shutdown barrier: every sync is done
+    C.run_worker(args, trainer, receiver)
 
 
 if __name__ == "__main__":

@@ -10,11 +10,9 @@ two torch ranks, TP2 (experts split inside, as vLLM's FusedMoE splits them). Eac
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
-import traceback
 
 import numpy as np
 
@@ -27,7 +25,6 @@ import bridge  # noqa: E402
 from jreshard.nn import MoeConfig, fsdp_spec, param_shapes  # noqa: E402
 
 VOCAB_PAD = 384  # 512 rows padded to 768: TP rank 1 holds rows 384..512 and 256 padding rows
-events: dict = {}
 
 
 def config() -> MoeConfig:
@@ -47,12 +44,6 @@ def plan() -> bridge.BridgePlan:
                                                                 vocab_pad=VOCAB_PAD), bucket_bytes=256 << 10)
 
 
-def save(out: str, rank: int) -> None:
-    with open(os.path.join(out, f"rank{rank}.json.tmp"), "w") as f:
-        json.dump(events, f, indent=1)
-    os.replace(os.path.join(out, f"rank{rank}.json.tmp"), os.path.join(out, f"rank{rank}.json"))
-
-
 def trainer(rank: int, args) -> None:
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -67,7 +58,7 @@ def trainer(rank: int, args) -> None:
     sync_plan = plan()
     cfg = config()
     shardings = {p: NamedSharding(mesh, P(*spec(p, s))) for p, s in param_shapes(cfg).items()}
-    nested = _nest(shardings)
+    nested = C.nest(shardings)
     params = jax.jit(lambda key: jnn.init_params(cfg, key), out_shardings=nested)(jax.random.key(0))
     opt = jnn.make_optimizer(1e-2)
     tokens = C.tokens(cfg)
@@ -81,22 +72,11 @@ def trainer(rank: int, args) -> None:
     logits = jax.jit(lambda p, t: jnn.logits(cfg, p, t), out_shardings=NamedSharding(mesh, P()))(params, tok)
     if rank == 0:
         np.save(os.path.join(args.out, "jax_logits.npy"), np.asarray(logits.addressable_data(0)))
-    events["loss"] = float(np.asarray(loss.addressable_data(0)))
-    events["describe_matches_config"] = describe(params, C.TRAINERS) == sync_plan.source
+    C.events["loss"] = float(np.asarray(loss.addressable_data(0)))
+    C.events["describe_matches_config"] = describe(params, C.TRAINERS) == sync_plan.source
     t0 = time.perf_counter()
     Sender(sync_plan, rank=rank, timeout=30).sync(params, version=1)
-    events["moe"] = {"ok": True, "seconds": time.perf_counter() - t0}
-
-
-def _nest(flat: dict) -> dict:
-    nested: dict = {}
-    for path, v in flat.items():
-        node = nested
-        *head, last = path.split("/")
-        for k in head:
-            node = node.setdefault(k, {})
-        node[last] = v
-    return nested
+    C.events["moe"] = {"ok": True, "seconds": time.perf_counter() - t0}
 
 
 def receiver(rank: int, args) -> None:
@@ -106,7 +86,7 @@ def receiver(rank: int, args) -> None:
     sync_plan = plan()
     params = {p.name: torch.zeros(p.shape, dtype=getattr(torch, p.dtype)) for p in sync_plan.param_map.for_rank(rank)}
     version = bridge.Receiver(sync_plan, params, rank=rank, timeout=30).sync()
-    events["moe"] = {"ok": True, "version": version}
+    C.events["moe"] = {"ok": True, "version": version}
     np.savez(os.path.join(args.out, f"rank{rank}_moe.npz"), **{k: v.numpy() for k, v in params.items()})
 
 
@@ -116,18 +96,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--jax-port", type=int, default=0)
     ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    try:
-        (trainer if args.rank in C.TRAINERS else receiver)(args.rank, args)
-    except Exception:
-        events["crash"] = traceback.format_exc()
-        save(args.out, args.rank)
-        raise
-    events["jax_imported"] = "jax" in sys.modules
-    events["done"] = True
-    save(args.out, args.rank)
-    if args.rank in C.TRAINERS:
-        os._exit(0)  # skip jax.distributed's shutdown barrier: the other trainer may already be gone
+    C.run_worker(ap.parse_args(), trainer, receiver)
 
 
 if __name__ == "__main__":

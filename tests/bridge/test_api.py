@@ -40,7 +40,7 @@ def test_region_box_is_a_box_whichever_way_it_is_given():
 
 def test_plan_refuses_a_dtype_the_wire_cannot_carry():
     src = bridge.Source({"w": Layout((4, 6), bridge.trainer_mesh((2,), "fsdp", [0], 2), ("fsdp",), "float32")})
-    rules = [bridge.Rule("w", "linear.weight", transpose=True, shard=0)]
+    rules = [bridge.Rule("w", "linear.weight", transpose=True, dim=0)]
     with pytest.raises(ValueError, match=r"'linear.weight' on rank 1 has dtype float8_e5m2, which the wire cannot"):
         bridge.BridgePlan(src, bridge.tp_param_map(src, rules, [1, 2], dtype="float8_e5m2"))
     with pytest.raises(TypeError, match="param_map must be a bridge.ParamMap"):
@@ -76,7 +76,7 @@ def test_docs_own_model_snippet_runs(capsys):
     assert plan.plan.stats().network_bytes == plan.plan.stats().lower_bound_bytes == plan.network_bytes
 
 
-@pytest.mark.parametrize("marker", ["ep_shard=\"e\", at=", "maxtext_param_map(cfg, source"])
+@pytest.mark.parametrize("marker", ["ep_dim=\"e\", at=", "maxtext_param_map(cfg, source"])
 def test_docs_moe_and_real_tree_snippets_run(marker, capsys):
     blocks = DOCS.read_text().split("```python\n")[1:]
     (snippet,) = [b.split("```")[0] for b in blocks if marker in b.split("```")[0]]

@@ -40,7 +40,7 @@ def _launch(rank: int, out: Path, ports: dict, restart: bool = False) -> subproc
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bridge")
-    ports = {k: C.free_port() for k in ("torch", "torch2", "jax", "jax2")}
+    ports = dict(zip(("torch", "torch2", "jax", "jax2"), C.free_ports(4), strict=True))
     procs = {r: _launch(r, out, ports) for r in range(C.WORLD)}
     restarted = []
     deadline = time.monotonic() + LIMIT

@@ -62,7 +62,7 @@ def run(tmp_path_factory) -> dict:
     from tests.bridge.fault_worker import needs_rebuild, victim
 
     out = tmp_path_factory.mktemp("faults")
-    ports = ",".join(str(C.free_port()) for _ in range(1 + sum(map(needs_rebuild, FAULTS))))
+    ports = ",".join(map(str, C.free_ports(1 + sum(map(needs_rebuild, FAULTS)))))
     procs = {(r, -1): _launch(r, out, ports) for r in range(3)}
     for k, fault in enumerate(FAULTS):
         if victim(fault) is not None:

@@ -26,6 +26,7 @@ import pytest
 
 from tests.bridge import _common as C, test_moe_rules as M
 from tests.bridge.test_fp8_rules import bits, expected, quantize_full
+from tests.helpers import hf_state
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -39,7 +40,7 @@ LIMIT = 180  # seconds for the whole launch
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("fp8")
-    port, jax_port = C.free_port(), C.free_port()
+    port, jax_port = C.free_ports(2)
     env = C.worker_env(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
                        TOKENIZERS_PARALLELISM="false")
     procs = []
@@ -72,7 +73,7 @@ def _params(run, model: str) -> dict[str, np.ndarray]:
 def _moe_expected(cfg, flat: dict[str, np.ndarray], block) -> list[dict[str, np.ndarray]]:
     """Every rank's MoE params: the full vLLM tensors quantized here (one expert at a time), then sliced."""
     bn, bk = block
-    quantized, scales = quantize_full(M._hf_full(flat, cfg, "vllm"), bn, bk)
+    quantized, scales = quantize_full(hf_state(flat, cfg, experts="vllm"), bn, bk)
     # The scale grids are sliced as the weights, in blocks: w13 by its rows (bn), w2 by its columns (bk).
     rows, cols = (dataclasses.replace(cfg, moe_intermediate_size=cfg.moe_intermediate_size // b) for b in (bn, bk))
     ranks = []
@@ -193,7 +194,7 @@ def test_dequantized_moe_logits_match_jax_within_fp8_tolerance(run):
 
     cfg = moe_config()
     want = np.load(run["out"] / "moe_jax_logits.npy")
-    full = M._hf_full(_params(run, "moe"), cfg, "hf")
+    full = hf_state(_params(run, "moe"), cfg, experts="hf")
     exact = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in full.items()}
     reference, experts = _moe_logits_and_experts(cfg, exact)  # the float32 weights: JAX's logits and routing
     np.testing.assert_allclose(reference, want, rtol=1e-5, atol=1e-5)

@@ -21,6 +21,7 @@ from jreshard import Layout
 from jreshard.core.fp8 import Fp8Format, quantize
 from jreshard.nn import LlamaConfig, param_shapes
 from tests.bridge import _common as C
+from tests.helpers import hf_state
 
 FP8 = ml_dtypes.float8_e4m3fn
 
@@ -247,7 +248,7 @@ def test_moe_experts_quantized_per_expert_and_block(tp_ranks, ep):
                                Fp8Format(block=(b, b)))
     assert fp8.formats["layers_1/mlp/experts/gate_proj"].block == (1, b, b)
     got = bridge.BridgePlan(fp8.source, fp8.param_map).reference(sent_tree(fp8, arrays))
-    quantized, scales = quantize_full(M._hf_full(arrays, cfg, "vllm"), b, b)
+    quantized, scales = quantize_full(hf_state(arrays, cfg, experts="vllm"), b, b)
     small = dataclasses.replace(cfg, moe_intermediate_size=cfg.moe_intermediate_size // b)  # the scale grid's sizes
     for k, rank in enumerate(tp_ranks):
         c, er, ec = (k, 0, k) if ep == 1 else (k, k, 0)

@@ -16,8 +16,8 @@ Phases:
            asking for digests (every rank, the forwarding receivers too, announces them; every
            bucket is voted)
 
-Each rank records, per phase, its executor's byte counts (``stats``: bytes posted to ranks of
-another node); the test sums them and compares with the plan and with an independent lower
+Each rank records, per phase, its executor's byte counts (from its ``ExecutionStats``: bytes posted to
+ranks of another node); the test sums them and compares with the plan and with an independent lower
 bound (each leaf element once per node whose ranks need it).
 """
 
@@ -78,8 +78,9 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     import bridge
-    from bridge.wire.session import SENDER, run_sync
-    from tests.bridge.wire_worker import sender
+    from bridge.wire.gloo import GlooTransport
+    from bridge.wire.transport import Kind
+    from tests.bridge.wire_worker import send, sender
 
     rank, events = args.rank, {}
     p = plans()
@@ -97,17 +98,19 @@ def worker(args) -> None:
         want = plan.reference(arrays(version))[rank]
         return all(torch.equal(params[n].float(), torch.from_numpy(want[n].astype(np.float32))) for n in params)
 
+    transport = None  # the victim's, in the kill phase
+
     def sync(phase: str, mode: str, version: int) -> None:
         t0 = time.perf_counter()
-        stats: dict = {}
         try:
             if rank in TRAINERS:
-                run_sync(p[mode], rank, None, role=SENDER, version=version, status=0, timeout=TIMEOUT,
-                         ready_timeout=60, pack=sender(p[mode], arrays(version), 0.0), recv=None, unpack=None,
-                         stats=stats, checksum=phase == "restart")
+                s = send(p[mode], sender(p[mode], arrays(version), 0.0), version=version, timeout=TIMEOUT,
+                         ready_timeout=60, checksum=phase == "restart", rank=rank).stats
             else:
-                receivers[mode].sync()
-                stats = receivers[mode].stats
+                receivers[mode].sync(transport=transport if phase == "kill" else None)
+                s = receivers[mode].last_stats
+            stats = {"sent": s.sent_bytes, "cross_domain_sent": s.cross_domain_sent_bytes,
+                     "cross_domain_received": s.cross_domain_received_bytes, "delivery": s.delivery}
             events[phase] = {"ok": True, "stats": stats, "exact": rank in TRAINERS or exact(p[mode], version)}
         except bridge.SyncError as e:
             events[phase] = {"ok": False, "error": type(e).__name__, "message": str(e),
@@ -122,17 +125,15 @@ def worker(args) -> None:
         sync("direct", "never", 2)
         before = {k: v.clone() for k, v in params.items()}
         if rank == VICTIM:
-            from bridge.wire import session as _wire
 
-            real = _wire._post
+            class Dying(GlooTransport):
+                def post(self, ops):
+                    if any(op.kind == Kind.SEND for op in ops):  # a receiver sends only in stage 2
+                        Path(args.out, "victim_dies").write_text(repr(time.time()))  # the standby replaces it
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    return super().post(ops)
 
-            def dying(ops, *rest):
-                if any(op.fn is dist.isend for op in ops):  # a receiver sends only in stage 2
-                    Path(args.out, "victim_dies").write_text(repr(time.time()))  # the standby replaces it
-                    os.kill(os.getpid(), signal.SIGKILL)
-                return real(ops, *rest)
-
-            _wire._post = dying
+            transport = Dying()
         sync("kill", "always", 3)
         if rank not in TRAINERS:
             events["kill"]["unchanged"] = all(torch.equal(before[k], params[k]) for k in params)
@@ -156,7 +157,7 @@ def _launch(rank: int, out: Path, ports: list[str], restart: bool = False) -> su
 
 
 def _run(out: Path) -> dict:
-    ports = [str(C.free_port()), str(C.free_port())]
+    ports = [str(p) for p in C.free_ports(2)]
     procs = {r: _launch(r, out, ports) for r in range(WORLD)}
     extra = [_launch(VICTIM, out, ports, restart=True)]
     C.wait_all([*procs.values(), *extra], LIMIT)
@@ -200,6 +201,8 @@ def test_two_stage_sync_over_nodes(tmp_path):
     # Direct: every byte crosses, once per rank that needs it (two TP2 replicas per node, four norm copies).
     assert p["never"].cross_domain_bytes == p["never"].network_bytes > 2 * lower
     assert sum(ev[str(r)]["hier"]["stats"]["cross_domain_sent"] for r in range(2, WORLD)) == 0  # stage 2 stays home
+    assert {ev[str(r)]["hier"]["stats"]["delivery"] for r in range(WORLD)} == {"hierarchical"}
+    assert {ev[str(r)]["direct"]["stats"]["delivery"] for r in range(WORLD)} == {"direct"}
 
     # A rank killed in stage 2: every other rank fails within the deadline plus a second of the start of its
     # sync call, and soon after the death (gloo reports the closed connection), no receiver commits. Soon:

@@ -27,7 +27,7 @@ LIMIT = 300  # seconds for the whole launch
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bridge_moe")
-    ports = {k: C.free_port() for k in ("torch", "jax")}
+    ports = dict(zip(("torch", "jax"), C.free_ports(2), strict=True))
     env = C.worker_env(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
     procs = []
     for r in range(C.WORLD):

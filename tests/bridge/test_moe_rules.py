@@ -9,6 +9,7 @@ import pytest
 import bridge
 from bridge.recipes.qwen3_moe import qwen3_moe_param_map
 from jreshard.nn import MoeConfig, fsdp_spec, param_shapes
+from tests.helpers import hf_state
 
 TRAINERS = bridge.trainer_mesh((2, 2), ("ep", "fsdp"), [0, 1], 2)  # EP2 x FSDP2 over 2 processes
 
@@ -53,30 +54,6 @@ def _unstack(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         else:
             out[path] = a
     return out
-
-
-def _hf_full(a: dict[str, np.ndarray], cfg: MoeConfig, target: str) -> dict[str, np.ndarray]:
-    """The full Hugging Face tensors (transformers' Qwen3MoeForCausalLM layout)."""
-    full = {"model.embed_tokens.weight": a["embed/embedding"], "model.norm.weight": a["final_norm/scale"],
-            "lm_head.weight": a["lm_head/kernel"].T}
-    for i in range(cfg.num_hidden_layers):
-        p, q = f"layers_{i}/", f"model.layers.{i}."
-        for n in "qkvo":
-            full[q + f"self_attn.{n}_proj.weight"] = a[p + f"attn/{n}_proj/kernel"].T
-        for n in "qk":
-            full[q + f"self_attn.{n}_norm.weight"] = a[p + f"attn/{n}_norm/scale"]
-        full[q + "input_layernorm.weight"] = a[p + "input_norm/scale"]
-        full[q + "post_attention_layernorm.weight"] = a[p + "post_attention_norm/scale"]
-        if cfg.is_sparse(i):
-            gate, up = a[p + "mlp/experts/gate_proj"], a[p + "mlp/experts/up_proj"]
-            w13, w2 = ("w13_weight", "w2_weight") if target == "vllm" else ("gate_up_proj", "down_proj")
-            full[q + "mlp.gate.weight"] = a[p + "mlp/router/kernel"].T
-            full[q + f"mlp.experts.{w13}"] = np.concatenate([gate, up], axis=2).transpose(0, 2, 1)  # [E, 2I, H]
-            full[q + f"mlp.experts.{w2}"] = a[p + "mlp/experts/down_proj"].transpose(0, 2, 1)  # [E, H, I]
-        else:
-            for n in ("gate", "up", "down"):
-                full[q + f"mlp.{n}_proj.weight"] = a[p + f"mlp/{n}_proj/kernel"].T
-    return full
 
 
 def _oracle(full: dict[str, np.ndarray], cfg: MoeConfig, tp: int, c: int, ep: int, r: int, etp: int, ec: int,
@@ -140,7 +117,7 @@ def test_expert_params_match_slicing(layout, experts, dtype):
     source = bridge.Source.build(src_shapes, TRAINERS, _spec, dtype=dtype)
     m = qwen3_moe_param_map(cfg, source, tp_ranks, ep=ep, vocab_pad=64, dtype=dtype)
     got = bridge.BridgePlan(source, m, bucket_bytes=4096).reference(src_arrays)
-    full = _hf_full(arrays, cfg, "vllm")
+    full = hf_state(arrays, cfg, experts="vllm")
     grid = np.atleast_2d(np.asarray(tp_ranks))
     flat = grid.ravel().tolist()
     egrid = grid if ep == 1 else grid.reshape(ep, -1)
@@ -163,7 +140,7 @@ def test_transformers_names_and_custom_templates(layout):
     names = {"w13": "model.layers.{layer}.mlp.experts.gate_up_proj"}  # the target's own, given explicitly
     m = qwen3_moe_param_map(cfg, source, tp_ranks, ep=ep, target="hf", names=names)
     got = bridge.BridgePlan(source, m).reference(arrays)
-    full = _hf_full(arrays, cfg, "hf")
+    full = hf_state(arrays, cfg, experts="hf")
     grid = np.atleast_2d(np.asarray(tp_ranks))
     egrid = grid if ep == 1 else grid.reshape(ep, -1)
     for rank in grid.ravel().tolist():

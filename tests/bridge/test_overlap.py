@@ -1,6 +1,6 @@
 """Hierarchical delivery's two stages share buckets (no processes): the dependency rule, the caps, the overlap.
 
-A stage-2 move forwards part of its sender's param that stage 1 delivered; ``run_sync`` packs
+A stage-2 move forwards part of its sender's param that stage 1 delivered; ``SyncSession`` packs
 bucket b once buckets up to b - 2 are unpacked, so every stage-1 move feeding a stage-2 move of
 bucket b must lie in a bucket <= b - 2. The oracle here finds those stage-1 moves from the
 params' own elements (which bucket's stage-1 move wrote each element of each rank's param),
@@ -19,7 +19,7 @@ from bridge.plan.bridge_plan import ALIGN
 from jreshard.nn import LlamaConfig, fsdp_spec, param_shapes
 from tests.bridge import _common as C
 
-LAG = 2  # run_sync: bucket b is packed once buckets <= b - 2 are unpacked
+LAG = 2  # SyncSession: bucket b is packed once buckets <= b - 2 are unpacked
 
 # name, trainer mesh (shape, axes, ranks, devices per process), inference groups, nodes, bucket bytes
 CASES = [

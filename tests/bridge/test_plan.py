@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import bridge
-from bridge.plan.bridge_plan import ALIGN
 from jreshard import Layout, Mesh
+from jreshard.core.schedule import ALIGN
 from jreshard.nn import LlamaConfig, fsdp_spec
 from tests.bridge import _common as C
 from tests.bridge._common import source_for as _source
@@ -196,7 +196,7 @@ def _bad_cases():
         ("rule regex", lambda: bridge.Rule("(", "x"), ValueError, "not a regular expression"),
         ("duplicate tp ranks", lambda: bridge.llama_param_map(cfg, src, [2, 2]), ValueError, "distinct"),
         ("tp ranks not ints", lambda: bridge.llama_param_map(cfg, src, ["a"]), TypeError, "tp_ranks"),
-        ("uneven split", lambda: bridge.tp_param_map(tiny, [bridge.Rule("w", "w", shard=0)], [1, 2, 3, 4]),
+        ("uneven split", lambda: bridge.tp_param_map(tiny, [bridge.Rule("w", "w", dim=0)], [1, 2, 3, 4]),
          ValueError, "does not split evenly"),
         ("unmatched leaf", lambda: bridge.tp_param_map(tiny, [bridge.Rule("v", "v")], [1]), ValueError,
          "matches no rule"),
@@ -221,14 +221,14 @@ def _bad_cases():
                                                                                  hidden_size=384)),
                                                         list(range(2, 10))), ValueError, "a head would be cut"),
         ("kv heads not replicable", lambda: bridge.tp_param_map(
-            tiny, [bridge.Rule("w", "w", shard=0, heads=2, replicate_heads=True)], [1, 2, 3]), ValueError,
+            tiny, [bridge.Rule("w", "w", dim=0, heads=2, replicate_heads=True)], [1, 2, 3]), ValueError,
          "replicated evenly"),
         ("more tp ranks than q heads", lambda: bridge.llama_param_map(cfg, src, list(range(2, 18))), ValueError,
          "16 tensor-parallel ranks for 8 heads"),
-        ("replicate without heads", lambda: bridge.Rule("w", "w", shard=0, replicate_heads=True), ValueError,
+        ("replicate without heads", lambda: bridge.Rule("w", "w", dim=0, replicate_heads=True), ValueError,
          "needs heads"),
-        ("heads without shard", lambda: bridge.Rule("w", "w", heads=2), ValueError, "needs a shard dim"),
-        ("heads not int", lambda: bridge.Rule("w", "w", shard=0, heads=0), ValueError, "positive int"),
+        ("heads without dim", lambda: bridge.Rule("w", "w", heads=2), ValueError, "needs a split dim"),
+        ("heads not int", lambda: bridge.Rule("w", "w", dim=0, heads=0), ValueError, "positive int"),
         ("model name", lambda: LlamaConfig.load("no-such-model"), ValueError, "llama-tiny"),
     ]
 
@@ -287,10 +287,13 @@ def test_atomic_receiver_holds_each_received_element_once_and_commits_every_cove
     for rank in (2, 3):
         mine = p.param_map.for_rank(rank)
         params = {q.name: torch.zeros(q.shape, dtype=getattr(torch, dtype)) for q in mine}
+        from bridge.wire.commit import HeldCommit, InPlaceCommit, SwapCommit
+
         rec = bridge.Receiver(p, params, rank=rank)
-        held = rec._held
-        assert held is not None and bridge.Receiver(p, params, rank=rank, swap=True)._held is None
-        assert bridge.Receiver(p, params, rank=rank, atomic=False)._held is None
+        assert isinstance(rec.strategy, HeldCommit)
+        assert isinstance(bridge.Receiver(p, params, rank=rank, swap=True).strategy, SwapCommit)
+        assert isinstance(bridge.Receiver(p, params, rank=rank, atomic=False).strategy, InPlaceCommit)
+        held = rec.strategy.held
         end = max(h.base + h.nbytes for h in held.values())
         assert end <= sum(v.numel() * v.element_size() for v in params.values()) + ALIGN * len(held)
         written = {q.name: np.zeros(q.shape, dtype=np.int64) for q in mine}
@@ -364,7 +367,7 @@ def test_two_stage_plans_are_exact_stay_inside_nodes_and_reach_the_lower_bound(c
 
 
 @pytest.mark.parametrize(("kw", "exc", "match"), [
-    ({"hierarchical": "sometimes"}, ValueError, "hierarchical must be one of"),
+    ({"hierarchical": "sometimes"}, ValueError, "hierarchical must be .auto., .always. or .never."),
     ({"domains": "nodes"}, ValueError, "domains must be 'local'"),
     ({"domains": [[2, 3], [3]]}, ValueError, "domains .*device 3 is in groups"),
     ({"domains": 2.5}, TypeError, "domains"),

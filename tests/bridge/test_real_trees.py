@@ -85,7 +85,7 @@ def _source(shapes: dict[str, tuple[int, ...]], spec=None) -> bridge.Source:
 
 def test_a_stacked_axis_at_any_position_selects_one_layer():
     src = _source({"w": (5, 3, 4)}, (None, None, "x"))  # [in, L, out]: layers on dim 1
-    m = bridge.tp_param_map(src, [bridge.Rule("w", "l{L}.weight", dims="i L o -> o i", shard="o")], [7, 8])
+    m = bridge.tp_param_map(src, [bridge.Rule("w", "l{L}.weight", dims="i L o -> o i", dim="o")], [7, 8])
     x = np.arange(60, dtype=np.float32).reshape(5, 3, 4)
     got = bridge.BridgePlan(src, m).reference({"w": x})
     for layer in range(3):
@@ -96,7 +96,7 @@ def test_a_stacked_axis_at_any_position_selects_one_layer():
 
 def test_a_split_dim_fills_a_merged_param_dim():
     src = _source({"q": (6, 4, 2)})  # [emb, heads, hd] -> [(heads hd), emb], TP2 splits whole heads
-    rule = bridge.Rule("q", "q_proj.weight", dims="emb heads hd -> (heads hd) emb", shard="heads", heads=4)
+    rule = bridge.Rule("q", "q_proj.weight", dims="emb heads hd -> (heads hd) emb", dim="heads", heads=4)
     x = np.arange(48, dtype=np.float32).reshape(6, 4, 2)
     got = bridge.BridgePlan(src, bridge.tp_param_map(src, [rule], [3, 4])).reference({"q": x})
     full = x.reshape(6, 8).T
@@ -134,11 +134,11 @@ def test_a_missing_name_group_names_the_rule():
     ({"dims": "a b"}, r"dims must read 'leaf dims -> param dims'"),
     ({"dims": "a b -> (b a"}, r"unbalanced '\('"),
     ({"dims": "a a -> a"}, r"names \['a'\] twice on the leaf side"),
-    ({"dims": "a b -> b a", "shard": "c"}, r"shard='c' is not a param dim"),
+    ({"dims": "a b -> b a", "dim": "c"}, r"dim='c' is not a param dim"),
     ({"dims": "a -> a e"}, r"puts the new dim 'e' last"),
     ({"dims": "a -> e a"}, r"a new param dim in dims and at= go together"),
     ({"dims": "a b -> b a", "transpose": True}, r"give dims or transpose, not both"),
-    ({"shard": "a"}, r"shard names a dim; name the dims with dims="),
+    ({"dim": "a"}, r"dim names a dim; name the dims with dims="),
 ])
 def test_bad_dims_name_the_rule(kw, match):
     with pytest.raises(ValueError, match=r"Rule 'w'.*" + match):

@@ -20,7 +20,7 @@ WORKER = Path(__file__).parent / "wire_worker.py"
 @pytest.fixture(scope="module")
 def events(tmp_path_factory):
     out = tmp_path_factory.mktemp("wire")
-    ports = [str(C.free_port()), str(C.free_port())]
+    ports = [str(p) for p in C.free_ports(2)]
     env = C.worker_env()
     procs = []
     for r in (0, 1):

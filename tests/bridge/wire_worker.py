@@ -1,6 +1,6 @@
 """A torch-only pair of processes for the wire-protocol test (no jax): rank 0 sends, rank 1 receives.
 
-Rank 0 drives ``bridge.wire.session.run_sync`` directly with a NumPy-backed pack (standing in for the
+Rank 0 drives ``bridge.wire.session.SyncSession`` directly with a NumPy-backed pack (standing in for the
 JAX Sender), so the protocol's failure handling is tested in seconds. Phases:
 
   ok       a sync succeeds, bit-exact, committed by swapping storage (swap=True), with no vote
@@ -35,7 +35,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import bridge  # noqa: E402
-from bridge.wire.session import SENDER, run_sync  # noqa: E402
+from bridge.wire.bucket import Side  # noqa: E402
+from bridge.wire.handshake import Role  # noqa: E402
+from bridge.wire.session import SyncSession  # noqa: E402
 from jreshard import Layout  # noqa: E402
 
 STALL_TIMEOUT = 2.0
@@ -47,7 +49,7 @@ def make_plan(receivers: tuple[int, ...] = (1,)) -> tuple[bridge.BridgePlan, dic
     mesh = bridge.trainer_mesh((2,), "fsdp", [0], 2)
     src = bridge.Source({"w": Layout((64, 48), mesh, ("fsdp",), "float32"),
                          "v": Layout((48,), mesh, (), "float32")})
-    rules = [bridge.Rule("w", "linear.weight", transpose=True, shard=None), bridge.Rule("v", "norm.weight")]
+    rules = [bridge.Rule("w", "linear.weight", transpose=True, dim=None), bridge.Rule("v", "norm.weight")]
     plan = bridge.BridgePlan(src, bridge.tp_param_map(src, rules, list(receivers), dtype="bfloat16"), bucket_bytes=2048)
     rng = np.random.default_rng(0)
     return plan, {"w": rng.standard_normal((64, 48), dtype=np.float32), "v": rng.standard_normal(48, dtype=np.float32)}
@@ -68,6 +70,15 @@ def sender(plan, arrays, stall: float, fault: str = ""):
         return [segs[0][:-8], *segs[1:]] if fault == "truncate" and m.bucket == 1 else segs
 
     return pack
+
+
+def send(plan, pack, *, version: int, timeout: float, ready_timeout: float = 30, group=None, checksum: bool = False,
+         transport=None, rank: int = 0) -> SyncSession:
+    """One sync of ``rank`` as a sender with ``pack``; returns the session (its ``stats``)."""
+    session = SyncSession(plan, rank, group, Side(Role.SENDER, pack=pack), version=version, timeout=timeout,
+                          ready_timeout=ready_timeout, checksum=checksum, transport=transport)
+    session.run()
+    return session
 
 
 def alarm_main(rank: int, port: int, out: str) -> None:
@@ -92,8 +103,7 @@ def alarm_main(rank: int, port: int, out: str) -> None:
                     time.sleep(0.5)  # the dead rank's connections are closed by now
                 return pack(m, buf)
 
-            run_sync(plan, 0, None, role=SENDER, version=1, status=0, timeout=ALARM_TIMEOUT, ready_timeout=30,
-                     pack=killing, recv=None, unpack=None)
+            send(plan, killing, version=1, timeout=ALARM_TIMEOUT)
         else:
             params = {p.name: torch.zeros(p.shape, dtype=torch.bfloat16) for p in plan.param_map.for_rank(rank)}
             bridge.Receiver(plan, params, rank=rank, timeout=ALARM_TIMEOUT).sync()
@@ -136,8 +146,7 @@ def main() -> None:
             t0 = time.perf_counter()
             gathers.append(0)
             try:
-                run_sync(plan, 0, None, role=SENDER, version=version, status=0, timeout=STALL_TIMEOUT + 8,
-                         ready_timeout=30, pack=sender(plan, arrays, stall, phase), recv=None, unpack=None)
+                send(plan, sender(plan, arrays, stall, phase), version=version, timeout=STALL_TIMEOUT + 8)
                 events[phase] = {"ok": True}
             except bridge.SyncError as e:
                 events[phase] = {"ok": False, "error": type(e).__name__, "message": str(e),
@@ -146,9 +155,7 @@ def main() -> None:
         dist.all_gather = real_gather
         dist.destroy_process_group()
         bridge.init_group(0, 2, port=args.port2, timeout=30)
-        run_sync(plan, 0, None, role=SENDER, version=3, status=0, timeout=10, ready_timeout=30,
-                 pack=sender(plan, {k: v * 2 for k, v in arrays.items()}, 0.0), recv=None,
-                 unpack=None)
+        send(plan, sender(plan, {k: v * 2 for k, v in arrays.items()}, 0.0), version=3, timeout=10)
         events["inplace"] = {"ok": True}
     else:
         params = {p.name: torch.full(p.shape, 7.0, dtype=torch.bfloat16) for p in plan.param_map.for_rank(1)}
@@ -160,16 +167,16 @@ def main() -> None:
         want = plan.reference(arrays)[1]
         events["ok"]["exact"] = all(torch.equal(params[n].float(), torch.from_numpy(want[n].astype(np.float32)))
                                     for n in params)
-        real_unpack = rec._unpack
+        real_unpack = rec.strategy.unpack  # a SwapCommit: it unpacks as buckets arrive
 
-        def failing(into, m, buf):
+        def failing(m, buf):
             if m.bucket == 1:
                 raise RuntimeError("injected unpacking failure")
-            real_unpack(into, m, buf)
+            real_unpack(m, buf)
 
         for phase in (*FAULTS, "stall"):
             before = {k: v.clone() for k, v in params.items()}
-            rec._unpack = failing if phase == "unpack_error" else real_unpack
+            rec.strategy.unpack = failing if phase == "unpack_error" else real_unpack
             t0 = time.perf_counter()
             try:
                 rec.sync()
@@ -179,7 +186,7 @@ def main() -> None:
                                  "seconds": time.perf_counter() - t0, "version": rec.version,
                                  "unchanged": all(torch.equal(before[k], params[k]) for k in params)}
             if phase == FAULTS[-1]:
-                rec._unpack = real_unpack
+                rec.strategy.unpack = real_unpack
                 events["again"] = {"version": rec.sync(), "exact": all(
                     torch.equal(params[n].float(), torch.from_numpy(want[n].astype(np.float32))) for n in params)}
         dist.destroy_process_group()

@@ -19,12 +19,10 @@ test checks them against NumPy references. Phases, in order:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
 import time
-import traceback
 
 import numpy as np
 
@@ -42,14 +40,9 @@ TIMEOUT = 60.0  # a trainer's first sync of a phase compiles its casts: seconds 
 KILL_TIMEOUT = 10.0
 RESTART_TIMEOUT = 60.0  # the restarted trainers' first sync compiles their packing: slow on a loaded machine
 
-events: dict = {}
-
-
 def save(out: str, rank: int) -> None:
-    name = os.path.join(out, f"rank{rank}{'_restart' if events.get('restarted') else ''}.json")
-    with open(name + ".tmp", "w") as f:
-        json.dump(events, f, indent=1)
-    os.replace(name + ".tmp", name)
+    """``C.save``, to ``rank{r}_restart.json`` in a restarted trainer."""
+    C.save(out, rank, "_restart" if C.events.get("restarted") else "")
 
 
 def plans(config, **kw) -> dict[str, bridge.BridgePlan]:
@@ -106,16 +99,16 @@ def trainer(rank: int, args) -> None:
     all_plans = plans(None)
     small = put(C.make_arrays(C.small_config(), seed=1))
     # The trainer describes its live arrays; receivers build the Source from the config.
-    events["describe_matches_config"] = describe(small, C.TRAINERS) == source_for(C.small_config())
+    C.events["describe_matches_config"] = describe(small, C.TRAINERS) == source_for(C.small_config())
 
-    def run(phase: str, params, version: int) -> None:
+    def run(phase: str, params, version: int, transport=None) -> None:
         t0 = time.perf_counter()
         try:
             timeout = {"kill": KILL_TIMEOUT, "restart": RESTART_TIMEOUT}.get(phase, TIMEOUT)
-            Sender(all_plans[phase], rank=rank, timeout=timeout).sync(params, version=version)
-            events[phase] = {"ok": True, "seconds": time.perf_counter() - t0}
+            Sender(all_plans[phase], rank=rank, timeout=timeout).sync(params, version=version, transport=transport)
+            C.events[phase] = {"ok": True, "seconds": time.perf_counter() - t0}
         except Exception as e:  # recorded for the test to check
-            events[phase] = {"ok": False, "error": type(e).__name__, "message": str(e),
+            C.events[phase] = {"ok": False, "error": type(e).__name__, "message": str(e),
                              "seconds": time.perf_counter() - t0}
         save(args.out, rank)
 
@@ -134,7 +127,7 @@ def trainer(rank: int, args) -> None:
 
     cfg = C.tiny_config()
     shardings = {p: NamedSharding(mesh, P(*fsdp_spec(p, s))) for p, s in param_shapes(cfg).items()}
-    init = jax.jit(lambda key: jnn.init_params(cfg, key), out_shardings=_nest(shardings))
+    init = jax.jit(lambda key: jnn.init_params(cfg, key), out_shardings=C.nest(shardings))
     params = init(jax.random.key(0))
     opt = jnn.make_optimizer(1e-2)
     tok = jax.make_array_from_callback((2, 16), NamedSharding(mesh, P()), lambda idx: C.tokens(cfg)[idx])
@@ -143,42 +136,35 @@ def trainer(rank: int, args) -> None:
         new, _, loss = jnn.train_step(cfg, opt, p, opt.init(p), t)
         return new, loss
 
-    params, loss = jax.jit(step, out_shardings=(_nest(shardings), NamedSharding(mesh, P())))(params, tok)
+    params, loss = jax.jit(step, out_shardings=(C.nest(shardings), NamedSharding(mesh, P())))(params, tok)
     logits = jax.jit(lambda p, t: jnn.logits(cfg, p, t), out_shardings=NamedSharding(mesh, P()))(params, tok)
     if rank == 0:
         np.save(os.path.join(args.out, "jax_logits.npy"), np.asarray(logits.addressable_data(0)))
-    events["e2e_loss"] = float(np.asarray(loss.addressable_data(0)))
+    C.events["e2e_loss"] = float(np.asarray(loss.addressable_data(0)))
     run("e2e", params, 5)
 
     run("pre_kill", small, 6)
-    if rank == 1:
-        from bridge.wire import session as _wire
-
-        real, calls = _wire._post, [0]
-
-        def dying(ops, *args):
-            calls[0] += 1
-            if calls[0] == 3:  # mid-sync: two buckets are already on their way
-                os.kill(os.getpid(), signal.SIGKILL)
-            return real(ops, *args)
-
-        _wire._post = dying
-    run("kill", put(C.make_arrays(C.small_config(), seed=2)), 7)
-    events["done"] = True
+    run("kill", put(C.make_arrays(C.small_config(), seed=2)), 7, transport=_Dying() if rank == 1 else None)
+    C.events["done"] = True
     save(args.out, rank)
     # A JAX job does not survive losing a process: the trainers restart (the test relaunches them).
     os._exit(0)
 
 
-def _nest(flat: dict) -> dict:
-    nested: dict = {}
-    for path, v in flat.items():
-        node = nested
-        *head, last = path.split("/")
-        for k in head:
-            node = node.setdefault(k, {})
-        node[last] = v
-    return nested
+class _Dying:
+    """The gloo transport of a trainer that dies (SIGKILL) posting its third bucket: two are on their way."""
+
+    def __init__(self) -> None:
+        from bridge.wire.gloo import GlooTransport
+
+        self.inner, self.posts, self.name = GlooTransport(), 0, "gloo"
+        self.wait, self.abort, self.close = self.inner.wait, self.inner.abort, self.inner.close
+
+    def post(self, ops):
+        self.posts += 1
+        if self.posts == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.inner.post(ops)
 
 
 # --------------------------------------------------------------------------- receivers
@@ -202,10 +188,10 @@ def receiver(rank: int, args) -> None:
         t0 = time.perf_counter()
         try:
             version = receiver.sync()
-            events[phase] = {"ok": True, "version": version, "seconds": time.perf_counter() - t0}
+            C.events[phase] = {"ok": True, "version": version, "seconds": time.perf_counter() - t0}
             dump(phase, params)
         except Exception as e:
-            events[phase] = {"ok": False, "error": type(e).__name__, "message": str(e),
+            C.events[phase] = {"ok": False, "error": type(e).__name__, "message": str(e),
                              "seconds": time.perf_counter() - t0, "version": receiver.version}
         save(args.out, rank)
 
@@ -223,7 +209,7 @@ def receiver(rank: int, args) -> None:
     leaves = {"q.weight": ("layers_0/attn/q_proj/kernel", True), "down.weight": ("layers_1/mlp/down_proj/kernel", True),
               "embed.weight": ("embed/embedding", False), "norm.weight": ("final_norm/scale", False)}
     param_map = bridge.dtensor_param_map(s_small, {n: (dts[n], *leaves[n]) for n in dts})
-    events["dtensor_param_map_matches"] = param_map == all_plans["dtensor"].param_map
+    C.events["dtensor_param_map_matches"] = param_map == all_plans["dtensor"].param_map
     plan = bridge.BridgePlan(s_small, param_map, bucket_bytes=1 << 20)
     run("dtensor", bridge.Receiver(plan, dts, rank=rank, timeout=TIMEOUT), {n: d.to_local() for n, d in dts.items()})
 
@@ -239,16 +225,16 @@ def receiver(rank: int, args) -> None:
         t0 = time.perf_counter()
         try:
             bridge.Receiver(all_plans["rejected"], {k: v.double() for k, v in params.items()}, rank=rank)
-            events["rejected"] = {"ok": True}
+            C.events["rejected"] = {"ok": True}
         except ValueError as e:
             bridge.reject_sync(all_plans["rejected"], rank=rank)
-            events["rejected"] = {"ok": False, "error": "ValueError", "message": str(e),
+            C.events["rejected"] = {"ok": False, "error": "ValueError", "message": str(e),
                                   "seconds": time.perf_counter() - t0}
         save(args.out, rank)
     else:
         rec = bridge.Receiver(all_plans["rejected"], params, rank=rank, timeout=TIMEOUT, ready_timeout=300)
         run("rejected", rec, params)
-        events["rejected"]["unchanged"] = all(bool((v == 0).all()) for v in params.values())
+        C.events["rejected"]["unchanged"] = all(bool((v == 0).all()) for v in params.values())
         save(args.out, rank)
 
     params = zeros(all_plans["e2e"])
@@ -259,8 +245,8 @@ def receiver(rank: int, args) -> None:
     run("pre_kill", rec, params)
     before = {k: v.clone() for k, v in params.items()}
     run("kill", rec, params)
-    events["kill"]["unchanged"] = all(torch.equal(before[k], params[k]) for k in params)
-    events["kill"]["version_after"] = rec.version
+    C.events["kill"]["unchanged"] = all(torch.equal(before[k], params[k]) for k in params)
+    C.events["kill"]["version_after"] = rec.version
     save(args.out, rank)
     # The trainers restart; this process keeps its weights, recreates the group and syncs again.
     dist.destroy_process_group()
@@ -280,16 +266,8 @@ def main() -> None:
     ap.add_argument("--restart", action="store_true")
     args = ap.parse_args()
     if args.restart:
-        events["restarted"] = True
-    try:
-        (trainer if args.rank in C.TRAINERS else receiver)(args.rank, args)
-    except Exception:
-        events["crash"] = traceback.format_exc()
-        save(args.out, args.rank)
-        raise
-    events["jax_imported"] = "jax" in sys.modules
-    events["done"] = True
-    save(args.out, args.rank)
+        C.events["restarted"] = True
+    C.run_worker(args, trainer, receiver, suffix="_restart" if args.restart else "", exit_trainers=False)
 
 
 if __name__ == "__main__":

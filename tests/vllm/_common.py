@@ -5,14 +5,8 @@ Importable without jax, torch and vLLM (every process imports it before choosing
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -67,21 +61,6 @@ def config(kind: str) -> LlamaConfig:
     return KINDS[kind]()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def kill_all(procs: Iterable[subprocess.Popen]) -> None:
-    """SIGKILLs the process group of every process still running (each started with start_new_session)."""
-    for p in procs:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait(30)
-
-
 def python() -> str:
     return sys.executable
 
@@ -108,29 +87,6 @@ def hf_to_flax(state: dict[str, np.ndarray], cfg: LlamaConfig) -> dict[str, np.n
                 out[j + f"mlp/{n}_proj/kernel"] = state[h + f"mlp.{n}_proj.weight"].T
         out[j + "input_norm/scale"] = state[h + "input_layernorm.weight"]
         out[j + "post_attention_norm/scale"] = state[h + "post_attention_layernorm.weight"]
-    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
-
-
-def flax_to_hf(flat: dict[str, np.ndarray], cfg: LlamaConfig) -> dict[str, np.ndarray]:
-    """The inverse of ``hf_to_flax``."""
-    out = {"model.embed_tokens.weight": flat["embed/embedding"], "model.norm.weight": flat["final_norm/scale"],
-           "lm_head.weight": flat["lm_head/kernel"].T}
-    for i in range(cfg.num_hidden_layers):
-        j, h = f"layers_{i}/", f"model.layers.{i}."
-        for n in "qkvo":
-            out[h + f"self_attn.{n}_proj.weight"] = flat[j + f"attn/{n}_proj/kernel"].T
-        for n in "qk":
-            out[h + f"self_attn.{n}_norm.weight"] = flat[j + f"attn/{n}_norm/scale"]
-        if isinstance(cfg, MoeConfig) and cfg.is_sparse(i):
-            gate, up = flat[j + "mlp/experts/gate_proj"], flat[j + "mlp/experts/up_proj"]
-            out[h + "mlp.experts.gate_up_proj"] = np.concatenate([gate, up], axis=2).transpose(0, 2, 1)
-            out[h + "mlp.experts.down_proj"] = flat[j + "mlp/experts/down_proj"].transpose(0, 2, 1)
-            out[h + "mlp.gate.weight"] = flat[j + "mlp/router/kernel"].T
-        else:
-            for n in ("gate", "up", "down"):
-                out[h + f"mlp.{n}_proj.weight"] = flat[j + f"mlp/{n}_proj/kernel"].T
-        out[h + "input_layernorm.weight"] = flat[j + "input_norm/scale"]
-        out[h + "post_attention_layernorm.weight"] = flat[j + "post_attention_norm/scale"]
     return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
 
 

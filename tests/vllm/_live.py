@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests._procs import free_ports, kill_all
+from tests.helpers import hf_state
 from tests.vllm import _common as C
 
 ENGINE_START = 900.0  # seconds: an engine starts in about a minute, much longer on a loaded machine
@@ -53,7 +55,7 @@ def engine_server(base: Path, kind: str) -> Iterator[dict]:
         yield {"address": address, "dir": base, "model": base / "model", "initial": initial, "proc": proc,
                "kind": kind}
     finally:
-        C.kill_all([proc])
+        kill_all([proc])
 
 
 def fp8_values(state: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -133,7 +135,7 @@ def oracle(engine: dict, out: Path, v: int) -> list[dict]:
     cfg = C.config(engine["kind"])
     with np.load(out / f"params_v{v}.npz") as z:
         flat = {k: z[k] for k in z.files}
-    state = C.flax_to_hf(flat, cfg)
+    state = hf_state(flat, cfg)
     if engine["kind"] == "fp8":  # the trainers' weights as the sync quantizes them (bfloat16 where kept)
         state = fp8_values(state)[0]
     return C.hf_greedy(C.hf_model(cfg, state), C.PROMPTS, C.MAX_TOKENS)
@@ -142,7 +144,7 @@ def oracle(engine: dict, out: Path, v: int) -> list[dict]:
 def start_trainers(engine, out: Path, versions: str, mode: str = "normal",
                    timeout: float = 30.0) -> list[subprocess.Popen]:
     out.mkdir(parents=True, exist_ok=True)
-    jax_port, sync_port = C.free_port(), C.free_port()
+    jax_port, sync_port = free_ports(2)
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
                OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     procs = []
@@ -182,7 +184,7 @@ def finish(procs, out: Path) -> list[int]:
     except subprocess.TimeoutExpired:
         pytest.fail(f"trainers did not exit:\n{logs(out)}")
     finally:
-        C.kill_all(procs)
+        kill_all(procs)
 
 
 def check_two_syncs(engine: dict, tmp_path: Path, *, padded_vocab: bool, atol: float = 2e-4,
@@ -214,7 +216,7 @@ def check_two_syncs(engine: dict, tmp_path: Path, *, padded_vocab: bool, atol: f
             (tmp_path / f"go_v{v}").touch()
         assert finish(procs, tmp_path) == [0, 0], logs(tmp_path)
     finally:
-        C.kill_all(procs)
+        kill_all(procs)
     return recs
 
 

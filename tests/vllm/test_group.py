@@ -7,8 +7,10 @@ import torch
 import torch.distributed as dist
 
 from bridge.engines.group import all_gather_json, close_group, open_group
+from bridge.errors import SyncError
 from bridge.wire.alarm import Alarm, store_of
-from bridge.wire.session import SyncError, _direct_p2p, _group_ranks
+from bridge.wire.gloo import direct_group
+from bridge.wire.group import group_ranks
 
 
 @pytest.fixture
@@ -22,7 +24,7 @@ def no_default_group():
 def test_a_group_from_open_group_needs_no_default_group(no_default_group):
     pg = open_group("127.0.0.1", 0, 0, 1, timeout=10)  # port 0: the store picks a free one
     try:
-        assert _group_ranks(pg) == [0]
+        assert group_ranks(pg) == [0]
         assert all_gather_json({"rank": 0}, pg, timeout=10, what="a test") == [{"rank": 0}]
     finally:
         close_group(pg)
@@ -35,7 +37,7 @@ def test_a_group_from_open_group_is_posted_to_directly(no_default_group):
     try:
         with pytest.raises(ValueError):
             dist.get_backend(pg)
-        assert _direct_p2p(pg, [0]) == (pg, {0: 0})
+        assert direct_group(pg) is pg
     finally:
         close_group(pg)
 
@@ -61,9 +63,9 @@ def test_an_unregistered_group_is_refused_before_any_wait(no_default_group):
     pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO,
                          dist.ProcessGroupGloo(store, 0, 1))
     with pytest.raises(ValueError, match="not registered with torch.distributed.*new_group"):
-        _group_ranks(pg)
+        group_ranks(pg)
 
 
 def test_no_group_and_no_default_group(no_default_group):
     with pytest.raises(SyncError, match="no group was given; pass group="):
-        _group_ranks(None)
+        group_ranks(None)

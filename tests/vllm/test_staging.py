@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from bridge import BridgePlan, Source, trainer_mesh
-from bridge.engines.hello import EngineShape, Recipe, build_param_map
-from bridge.engines.vllm.engine import CountingReceiver, _shared
+from bridge.engines.hello import EngineShape, build_param_map
+from bridge.engines.worker import StagingReceiver, _shared
+from bridge.recipes import Recipe
 from jreshard.nn import LlamaConfig, fsdp_spec, param_shapes
 
 
@@ -18,7 +19,7 @@ def test_shared_sees_every_other_holder_of_the_storage():
     del view
     assert not _shared(t)
     layer = torch.nn.Linear(3, 4, bias=False)
-    layer.weight.data = t  # what write_layers does with an adopted tensor
+    layer.weight.data = t  # what an engine's commit (vLLM's write_layers) does with an adopted tensor
     assert _shared(t)
     layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)  # vLLM's CPU packing empties it
     assert not _shared(t)
@@ -31,7 +32,7 @@ def test_renew_replaces_only_the_tensors_the_model_still_holds():
     cfg = LlamaConfig.load("llama-tiny", num_hidden_layers=1)
     src = Source.build(param_shapes(cfg), trainer_mesh((2,), "fsdp", [0], 2), fsdp_spec)
     param_map = build_param_map(src, Recipe.llama(cfg), EngineShape(((1,),), False, "float32"))
-    receiver = CountingReceiver(BridgePlan(src, param_map), {p.name: torch.zeros(p.shape) for p in
+    receiver = StagingReceiver(BridgePlan(src, param_map), {p.name: torch.zeros(p.shape) for p in
                                                              param_map.for_rank(1)}, rank=1, atomic=False)
     kept, dropped = "model.embed_tokens.weight", "model.layers.0.self_attn.qkv_proj.weight"
     before = {n: receiver.params[n] for n in (kept, dropped)}

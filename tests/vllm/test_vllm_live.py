@@ -14,6 +14,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 pytest.importorskip("jax")
 
+from tests._procs import kill_all  # noqa: E402
 from tests.vllm import _common as C  # noqa: E402
 from tests.vllm._live import (  # noqa: E402
     EngineChecks,
@@ -47,7 +48,7 @@ class TestDense(EngineChecks):
                 assert "bfloat16" in rec["message"] and "float32" in rec["message"], rec["message"]
             finish(procs, tmp_path)
         finally:
-            C.kill_all(procs)
+            kill_all(procs)
         assert generate(engine) == before
         assert version(engine) == served
 
@@ -61,7 +62,7 @@ class TestDense(EngineChecks):
             assert rec["seconds"] < KILL_TIMEOUT + 1.0, rec
             assert finish(procs, tmp_path / "killed")[1] == 17
         finally:
-            C.kill_all(procs)
+            kill_all(procs)
         assert generate(engine) == before
         assert version(engine) == served
         procs = start_trainers(engine, tmp_path / "again", "6")
@@ -73,7 +74,7 @@ class TestDense(EngineChecks):
             (tmp_path / "again" / "go_v6").touch()
             assert finish(procs, tmp_path / "again") == [0, 0], logs(tmp_path / "again")
         finally:
-            C.kill_all(procs)
+            kill_all(procs)
 
 
 class TestMoe(EngineChecks):

@@ -10,31 +10,24 @@ Trainer side (JAX)::
     sync = VLLMWeightSync(Recipe.llama(config), workers=2, client=LLMClient(llm), port=29600)
     report = sync.sync(params, version=step)
 
-Modules: ``_handshake`` (pure: plain-data descriptions, recipe, param map, target
-checks), ``_agree`` (the plan every rank agrees on), ``_group`` (the sync's own gloo
-group), ``_model`` (targets of a live vLLM model and how new weights enter it),
-``engine`` (the worker side), ``plugin``, ``client`` (``LLMClient``), ``trainer``
-(``VLLMWeightSync``, imports jax). See docs/vllm.md.
+Only what is vLLM's lives here; the engine-generic sync is ``bridge.engines``'s. Modules:
+``engine`` (the worker side: vLLM's four phases over ``bridge.engines.worker.WorkerSync``),
+``model`` (the engine params of a live vLLM model and how new weights enter it),
+``client`` (``LLMClient``), ``trainer`` (``VLLMWeightSync``: ``bridge.engines.trainer.TrainerSync``
+driving vLLM's client; imports jax), ``plugin`` (the entry point), ``baselines`` (the bytes
+vLLM's own backends move, for comparisons). See docs/vllm.md.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from bridge.engines.hello import EngineShape, Recipe, Target
+from bridge.engines.hello import EngineParam, EngineShape
 from bridge.engines.vllm.client import LLMClient
+from bridge.recipes.recipe import Recipe
+from jreshard.core.lazy import lazy_attributes
 
-__all__ = ["EngineShape", "LLMClient", "Recipe", "SyncReport", "Target", "VLLMWeightSync"]
+__all__ = ["EngineParam", "EngineShape", "LLMClient", "Recipe", "SyncReport", "VLLMWeightSync"]
 
-_LAZY = {"VLLMWeightSync": "bridge.engines.vllm.trainer", "SyncReport": "bridge.engines.vllm.trainer"}
+_LAZY = {"VLLMWeightSync": "bridge.engines.vllm.trainer", "SyncReport": "bridge.engines.trainer"}
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'bridge.engines.vllm' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes('bridge.engines.vllm', _LAZY, globals=globals())

@@ -1,11 +1,11 @@
-"""A live vLLM model as the sync sees it: its targets, and how new weights enter it (torch and vLLM, never jax).
+"""A live vLLM model as the sync sees it: its engine params, and how new weights enter it (torch and vLLM, never jax).
 
 vLLM records every layer's parameters in their logical (checkpoint, per-rank) layout
 when it builds the model (``record_metadata_for_reloading``), then its post-load
 processing may replace them by kernel layouts: the CPU backend packs linear weights
 into oneDNN or sgl kernels and leaves the parameter empty (shape ``(0,)``), and
 rewrites ``FusedMoE`` expert weights. Writing into the live parameters would change
-nothing there. So the targets are the recorded logical parameters, and a commit does,
+nothing there. So the engine params are the recorded logical parameters, and a commit does,
 per layer, what vLLM's layerwise reload does: recreate the layer's parameters in
 logical layout, fill them, run the layer's ``quant_method.process_weights_after_loading``,
 then copy the processed tensors back into the storage the engine already holds (CUDA
@@ -15,7 +15,6 @@ are written in place.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Collection, Mapping
@@ -23,26 +22,12 @@ from typing import Any
 
 import torch
 
-from bridge.engines.hello import Target
+from bridge.engines.hello import EngineParam
+from bridge.engines.worker import Commit
 
-__all__ = ["Commit", "live_targets", "write_layers", "torch_dtype_name"]
+__all__ = ["live_params", "write_layers", "torch_dtype_name"]
 
 log = logging.getLogger("bridge")
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Commit:
-    """What ``write_layers`` did.
-
-    Attributes:
-      layers: the number of layers written.
-      process_seconds: the seconds vLLM's post-load processing took.
-      adopted: the names of the tensors the model now holds (see ``write_layers``'s ``adopt``).
-    """
-
-    layers: int
-    process_seconds: float
-    adopted: frozenset[str] = frozenset()
 
 
 def torch_dtype_name(dtype: Any) -> str:
@@ -66,7 +51,7 @@ def _loadable(module: torch.nn.Module) -> bool:
     return not is_deferred_attention_layer(module)
 
 
-def live_targets(model: torch.nn.Module) -> list[Target]:
+def live_params(model: torch.nn.Module) -> list[EngineParam]:
     """Every parameter the model loads, in its recorded logical layout, named as vLLM names it."""
     get_layerwise_info, skip, *_ = _reload_api()
     out = []
@@ -78,7 +63,7 @@ def live_targets(model: torch.nn.Module) -> list[Target]:
             if name in skip:
                 continue
             full = f"{prefix}.{name}" if prefix else name
-            out.append(Target(full, tuple(meta.shape), torch_dtype_name(meta.dtype)))
+            out.append(EngineParam(full, tuple(meta.shape), torch_dtype_name(meta.dtype)))
     return out
 
 
@@ -156,7 +141,7 @@ def _reprocess(module: torch.nn.Module, values: Mapping[str, torch.Tensor], adop
 @torch.no_grad()
 def write_layers(model: torch.nn.Module, values: Mapping[str, torch.Tensor], *,
                  adopt: Collection[str] = ()) -> Commit:
-    """Puts new logical-layout weights into the live model; returns what it did (``Commit``).
+    """Puts new logical-layout weights into the live model; returns what it did (``bridge.engines.worker.Commit``).
 
     ``values`` maps full parameter names to this rank's logical tensors. Layers with a
     quant method are reprocessed (see the module docstring); others are written in place.

@@ -1,4 +1,4 @@
-"""The handshake's plain data and the plan every rank agrees on, without a vLLM engine (numpy and torch only)."""
+"""The hellos' plain data and the plan every rank agrees on, without an engine (numpy and torch only)."""
 
 from __future__ import annotations
 
@@ -10,17 +10,20 @@ import pytest
 
 from bridge import Source, trainer_mesh
 from bridge.engines.hello import (
-    PROTOCOL,
+    EngineParam,
     EngineShape,
-    Recipe,
-    Target,
     build_param_map,
-    check_targets,
+    check_engine_params,
+    engine_params_of,
     engine_shape,
     resolve_names,
     source_from_data,
     source_to_data,
+    trainer_hello,
+    worker_hello,
+    worker_rank,
 )
+from bridge.recipes import Recipe
 from jreshard import Layout, Mesh
 from jreshard.nn import MoeConfig, fsdp_spec, param_shapes
 from tests.vllm import _common as C
@@ -32,20 +35,16 @@ def dense_source() -> Source:
     return Source.build(param_shapes(C.qwen3_config()), trainer_mesh((4,), "fsdp", [0, 1], 2), fsdp_spec)
 
 
-def targets_of(param_map, ranks=(2, 3)) -> dict[int, list[Target]]:
-    return {r: [Target(p.name, p.shape, p.dtype) for p in param_map.for_rank(r)] for r in ranks}
+def params_of(param_map, ranks=(2, 3)) -> dict[int, list[EngineParam]]:
+    return {r: [EngineParam(p.name, p.shape, p.dtype) for p in param_map.for_rank(r)] for r in ranks}
 
 
-def hellos(source: Source, recipe: Recipe, engine: EngineShape, targets: dict[int, list[Target]]) -> list[dict]:
-    out = [{"role": "trainer", "protocol": PROTOCOL, "rank": 0, "leaves": source_to_data(source),
-            "recipe": recipe.to_data(), "bucket_bytes": 1 << 20},
-           {"role": "trainer", "protocol": PROTOCOL, "rank": 1}]
+def hellos(source: Source, recipe: Recipe, engine: EngineShape, params: dict[int, list[EngineParam]]) -> list[dict]:
+    out = [trainer_hello(0, source=source, recipe=recipe, bucket_bytes=1 << 20), trainer_hello(1)]
     for d, group in enumerate(engine.ranks):
         for t, rank in enumerate(group):
-            out.append({"role": "worker", "protocol": PROTOCOL, "rank": rank, "replica": d, "tp_rank": t,
-                        "tp": engine.tp, "replicas": len(engine.ranks), "expert_parallel": engine.expert_parallel,
-                        "dtype": engine.dtype,
-                        "targets": [[x.name, list(x.shape), x.dtype] for x in targets[rank]]})
+            out.append(worker_hello(rank=rank, replica=d, tp_rank=t, tp=engine.tp, replicas=len(engine.ranks),
+                                    expert_parallel=engine.expert_parallel, dtype=engine.dtype, params=params[rank]))
     return json.loads(json.dumps(out))  # what crosses the wire
 
 
@@ -74,7 +73,7 @@ def test_a_matching_engine_agrees_and_every_worker_receives_its_lower_bound():
 
     src, recipe = dense_source(), Recipe.llama(C.qwen3_config())
     pm = build_param_map(src, recipe, TP2)
-    plan = plan_from_hellos(hellos(src, recipe, TP2, targets_of(pm)))
+    plan = plan_from_hellos(hellos(src, recipe, TP2, params_of(pm)))
     regions = {r: sum(int(np.prod(g.shape)) * 4 for p in pm.for_rank(r) for g in p.regions) for r in (2, 3)}
     assert plan.rank_bytes()["recv"] == regions
     params = {r: sum(int(np.prod(p.shape)) * 4 for p in pm.for_rank(r)) for r in (2, 3)}
@@ -83,23 +82,23 @@ def test_a_matching_engine_agrees_and_every_worker_receives_its_lower_bound():
 
 def test_a_mismatch_is_refused_with_what_differs():
     from bridge.engines.agree import plan_from_hellos
-    from bridge.wire.session import PlanMismatchError
+    from bridge.errors import PlanMismatchError
 
     src, recipe = dense_source(), Recipe.llama(C.qwen3_config())
-    targets = targets_of(build_param_map(src, recipe, TP2))
-    targets[3] = [dataclasses.replace(t, dtype="bfloat16") if "qkv" in t.name else t for t in targets[3]]
+    params = params_of(build_param_map(src, recipe, TP2))
+    params[3] = [dataclasses.replace(t, dtype="bfloat16") if "qkv" in t.name else t for t in params[3]]
     with pytest.raises(PlanMismatchError, match=r"rank 3: 'model\.layers\.0\.self_attn\.qkv_proj\.weight' is "
                                                 r"\(128, 128\) bfloat16 in the engine but \(128, 128\) float32"):
-        plan_from_hellos(hellos(src, recipe, TP2, targets))
+        plan_from_hellos(hellos(src, recipe, TP2, params))
 
 
-def test_check_targets_names_missing_and_extra_params():
+def test_check_engine_params_names_missing_and_extra_params():
     src, recipe = dense_source(), Recipe.llama(C.qwen3_config())
     pm = build_param_map(src, recipe, TP2)
-    targets = targets_of(pm)
-    targets[2] = [t for t in targets[2] if t.name != "model.norm.weight"] + [Target("model.extra.weight", (4,),
-                                                                                     "float32")]
-    problems = check_targets(pm, targets)
+    params = params_of(pm)
+    params[2] = [t for t in params[2] if t.name != "model.norm.weight"] + [EngineParam("model.extra.weight", (4,),
+                                                                                       "float32")]
+    problems = check_engine_params(pm, params)
     assert problems == ["rank 2: 1 parameters of the engine get no leaf, e.g. ['model.extra.weight']",
                         "rank 2: 1 params of the recipe are not in the engine, e.g. ['model.norm.weight']"]
 
@@ -109,6 +108,28 @@ def test_a_leaf_without_a_rule_is_refused():
                        trainer_mesh((4,), "fsdp", [0, 1], 2), fsdp_spec)
     with pytest.raises(ValueError, match=r"trainer leaves \['extra/kernel'\] \(1 in all\) match no rule"):
         build_param_map(src, Recipe.llama(C.qwen3_config()), TP2)
+
+
+def test_a_worker_hello_round_trips_its_engine_params_and_ranks_follow_the_trainers():
+    params = [EngineParam("model.norm.weight", (64,), "float32"), EngineParam("w", (2, 3), "float8_e4m3fn")]
+    hello = json.loads(json.dumps(worker_hello(rank=5, replica=1, tp_rank=1, tp=2, replicas=2, expert_parallel=True,
+                                               dtype="float32", params=params, extra={"fp8": {"block": [1, 1]}})))
+    assert engine_params_of(hello) == params and hello["fp8"] == {"block": [1, 1]}
+    assert [worker_rank(2, d, t, 2) for d in range(2) for t in range(2)] == [2, 3, 4, 5]
+    assert "leaves" not in trainer_hello(1)
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda: worker_rank(2, 0, 2, 2), ValueError, r"tp_rank must be an int <= 1"),
+    (lambda: worker_rank(2, -1, 0, 2), ValueError, r"replica must be an int >= 0, got -1"),
+    (lambda: worker_rank(2, 0, 0, True), TypeError, r"tp must be an int, got bool"),
+    (lambda: trainer_hello(0), ValueError, r"trainer rank 0's hello needs source, recipe and bucket_bytes"),
+    (lambda: worker_hello(rank=2, replica=0, tp_rank=0, tp=0, replicas=1, expert_parallel=False, dtype="float32",
+                          params=[]), ValueError, r"tp must be a positive int, got 0"),
+], ids=["tp_rank", "replica", "tp-bool", "trainer-0", "tp-0"])
+def test_hello_refusals(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
 
 
 def test_engine_shape_from_workers_and_its_refusals():
@@ -130,11 +151,11 @@ def test_expert_names_resolve_to_the_live_submodule_and_ep_places_experts_linear
     src = Source.build(param_shapes(cfg), trainer_mesh((4,), "fsdp", [0, 1], 2), fsdp_spec)
     ep = EngineShape(((2, 3),), True, "float32")
     pm = build_param_map(src, Recipe.qwen3_moe(cfg), ep)
-    live = {r: [Target(p.name.replace(".experts.", ".experts.routed_experts."), p.shape, p.dtype)
-                if p.name.endswith(("w13_weight", "w2_weight")) else Target(p.name, p.shape, p.dtype)
+    live = {r: [EngineParam(p.name.replace(".experts.", ".experts.routed_experts."), p.shape, p.dtype)
+                if p.name.endswith(("w13_weight", "w2_weight")) else EngineParam(p.name, p.shape, p.dtype)
                 for p in pm.for_rank(r)] for r in (2, 3)}
     resolved = resolve_names(pm, live)
-    assert check_targets(resolved, live) == []
+    assert check_engine_params(resolved, live) == []
     assert "model.layers.0.mlp.experts.routed_experts.w13_weight" in resolved.names(3)
     # Under expert parallelism rank r holds experts [4r, 4r + 4), whole (an independent NumPy oracle).
     from bridge import BridgePlan

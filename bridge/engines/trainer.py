@@ -1,0 +1,228 @@
+"""The trainer side of a sync with any engine: open the group, hello, agree, send, read the report (imports jax).
+
+Every trainer process (one per JAX process) makes one ``TrainerSync`` (in practice an
+engine's subclass, ``bridge.engines.vllm.VLLMWeightSync``) and calls ``sync(params,
+version)`` after each training step. Trainer rank 0 also drives the engine's workers
+through its ``EngineControl``, the one seam an engine implements on this side: while a
+control call blocks on the data plane (the workers joining, receiving), rank 0 makes it
+from a helper thread and joins or sends at the same time. The first sync (and the first
+after a failed one) opens a new gloo group with the workers (``bridge.engines.group``)
+and exchanges hellos (``bridge.engines.hello``); later ones only send. When the engine
+serves a block-FP8 model the hellos agree on an FP8 sync, and every ``sync`` quantizes
+``params`` where their shards are (``bridge.trainer.fp8.quantize_params``) before sending
+FP8 weights and their scales.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import time
+from typing import Any, Protocol
+
+from bridge.engines.agree import agree
+from bridge.engines.group import all_gather_json, close_group, open_group, wire_seconds
+from bridge.engines.hello import trainer_hello
+from bridge.engines.worker import GroupInfo
+from bridge.errors import PlanMismatchError, SyncError
+from bridge.plan.bridge_plan import BridgePlan
+from bridge.plan.fp8 import Fp8ParamMap
+from bridge.recipes.recipe import Recipe
+from bridge.trainer.sender import Sender, describe
+from jreshard.core.args import check_flag, check_int, check_name, check_seconds
+
+__all__ = ["EngineControl", "SyncReport", "TrainerSync"]
+
+log = logging.getLogger("bridge")
+
+
+class EngineControl(Protocol):
+    """How trainer rank 0 drives an engine's workers: the engine-specific seam of ``TrainerSync``.
+
+    Each call returns once every worker has returned from it; a worker's failure there is
+    raised (the workers' own side of a sync never raises: its failures come through the group).
+    """
+
+    def connect(self, info: GroupInfo) -> None:
+        """Tells every worker to join the group ``info`` names (``bridge.engines.worker.WorkerSync.join``)."""
+
+    def begin_update(self) -> None:
+        """Prepares the engine for new weights (e.g. pauses generation); undoes its own part if it raises."""
+
+    def update(self, version: int) -> None:
+        """Has every worker receive and commit ``version`` (``WorkerSync.receive``)."""
+
+    def end_update(self, version: int | None) -> None:
+        """Ends an update begun by ``begin_update``: ``version`` is now served, or ``None`` when it failed."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SyncReport:
+    """One sync as the ranks counted it.
+
+    Attributes:
+      version: the version the workers received.
+      bytes_received: per worker rank, the bytes it received.
+      seconds: per rank of the sync group, where its time went: a trainer's ``send`` (its
+        ``Sender.sync``, wire handshake included); a worker's ``receive`` (its ``Receiver.sync``),
+        of which ``unpack`` (copies from bucket buffers into staging), and ``commit`` (the
+        staging tensors entering the model), of which ``process`` (the engine's post-load processing).
+        Every rank also reports the wire's steps (``handshake``, ``pack``, ``vote``, ``post``,
+        ``wait``; see ``bridge.wire.session.SyncSession``): a trainer's ``pack`` includes XLA's casts and
+        transposes, a worker's ``vote`` and ``wait`` its time waiting for the trainers.
+    """
+
+    version: int
+    bytes_received: dict[int, int]
+    seconds: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
+
+
+class TrainerSync:
+    """Sends a JAX trainer's weights to an engine's workers, each rank its exact slices.
+
+    Args:
+      recipe: how the trainer's leaves become the engine's params (``Recipe.llama(config)``, ...).
+      workers: the number of the engine's workers (TP x DP).
+      control: the engine's ``EngineControl``; required on trainer rank 0, ignored elsewhere.
+      rank: this trainer's rank (default ``jax.process_index()``); rank 0 hosts the group.
+      trainers: the number of trainer processes (default ``jax.process_count()``).
+      host, port: where trainer rank 0 hosts the group's store (reachable by every worker).
+      bucket_bytes: the most bytes one rank sends or receives per bucket.
+      timeout: seconds any single wait for data may take.
+      ready_timeout: seconds to wait for every rank to join the group or a sync.
+      checksum: the ``Sender`` checksums every bucket (off by default; byte and segment
+        counts are always checked).
+    """
+
+    def __init__(self, recipe: Recipe, *, workers: int, control: EngineControl | None = None,
+                 rank: int | None = None, trainers: int | None = None, host: str = "127.0.0.1", port: int,
+                 bucket_bytes: int = 16 << 20, timeout: float = 60.0, ready_timeout: float = 600.0,
+                 checksum: bool = False) -> None:
+        import jax
+
+        if not isinstance(recipe, Recipe):
+            raise TypeError(f"recipe must be a bridge.recipes.Recipe, got {type(recipe).__name__}.")
+        self.rank = check_int("rank", jax.process_index() if rank is None else rank)
+        self.trainers = check_int("trainers", jax.process_count() if trainers is None else trainers, minimum=1)
+        if self.rank >= self.trainers:
+            raise ValueError(f"rank {self.rank} must be below trainers {self.trainers}.")
+        self.workers = check_int("workers", workers, minimum=1)
+        if self.rank == 0 and control is None:
+            raise TypeError("trainer rank 0 drives the engine: give control (the engine's EngineControl).")
+        self.recipe, self.control = recipe, control if self.rank == 0 else None
+        self.info = GroupInfo(check_name("host", host, "the trainer's address"), check_int("port", port),
+                              self.trainers, self.trainers + self.workers, check_seconds("timeout", timeout),
+                              check_seconds("ready_timeout", ready_timeout))
+        self.bucket_bytes = check_int("bucket_bytes", bucket_bytes, minimum=1)
+        self.checksum = check_flag("checksum", checksum)
+        self.group: Any = None
+        self.plan: BridgePlan | None = None
+        self.fp8: Fp8ParamMap | None = None  # the agreed FP8 sync when the engine is FP8
+        self.sender: Sender | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jreshard-control")
+
+    @property
+    def world_size(self) -> int:
+        return self.info.world_size
+
+    def connect(self, params: Any) -> BridgePlan:
+        """Opens the group with the workers and agrees on the plan (the first ``sync`` does this).
+
+        Raises:
+          PlanMismatchError: the leaves and recipe do not match the engine (every rank refuses).
+          SyncError: a worker failed to join or to set up; see the engine's log.
+        """
+        info, source = self.info, describe(params, list(range(self.trainers)))
+        joined = None if self.control is None else self._pool.submit(self.control.connect, info)
+        hello = trainer_hello(self.rank, source=source, recipe=self.recipe, bucket_bytes=self.bucket_bytes)
+        try:
+            self.group = open_group(info.host, info.port, self.rank, info.world_size, timeout=info.ready_timeout,
+                                    name=info.name)
+            hellos = all_gather_json(hello, self.group, timeout=info.ready_timeout, what="the hello")
+            mismatch = None
+            try:
+                agreed = agree(hellos)
+                self.plan, self.fp8 = agreed.plan, agreed.fp8
+            except PlanMismatchError as e:  # every rank finds it; the workers still wait for the outcome
+                mismatch = e
+            rows = all_gather_json({"rank": self.rank, "error": None if mismatch is None else str(mismatch)},
+                                   self.group, timeout=info.timeout, what="the hello")
+            if mismatch is not None:
+                raise mismatch
+            _raise_worker_errors(rows, "setting up")
+            assert self.plan is not None
+            self.sender = Sender(self.plan, rank=self.rank, timeout=info.timeout, ready_timeout=info.ready_timeout,
+                                 checksum=self.checksum)
+        except BaseException:
+            self.close()
+            if joined is not None:
+                _settle(joined)
+            raise
+        if joined is not None:
+            joined.result()
+        return self.plan
+
+    def sync(self, params: Any, version: int) -> SyncReport:
+        """Sends ``params`` as ``version`` (the training step) to every worker; returns the workers' report.
+
+        Raises:
+          PlanMismatchError: the trainer's leaves and recipe do not match the engine (nothing moved).
+          SyncError: a peer died, stalled or failed; the engine keeps serving its previous weights.
+            The group is closed; the next ``sync`` opens a new one (give a new ``port`` if the old
+            one may still be bound).
+        """
+        check_int("version", version)
+        if self.group is None:
+            self.connect(params)
+        assert self.sender is not None
+        if self.fp8 is not None:  # before any engine call: a failure here leaves the engine as it was
+            from bridge.trainer.fp8 import quantize_params
+
+            params = quantize_params(params, self.fp8)
+        begun, update = False, None
+        try:
+            if self.control is not None:
+                self.control.begin_update()
+                begun = True
+                update = self._pool.submit(self.control.update, version)
+            t0 = time.perf_counter()
+            self.sender.sync(params, version, group=self.group)
+            seconds = {"send": time.perf_counter() - t0, **wire_seconds(self.sender.last_stats)}
+            rows = all_gather_json({"rank": self.rank, "error": None, "seconds": seconds}, self.group,
+                                   timeout=self.info.timeout, what="the commit report")
+            _raise_worker_errors(rows, f"committing version {version}")
+            if update is not None:
+                update.result()
+                begun = False
+                self.control.end_update(version)  # type: ignore[union-attr]
+        except BaseException:
+            self.close()
+            if update is not None:
+                _settle(update)
+            if begun:  # ends the engine's update (it committed nothing)
+                self.control.end_update(None)  # type: ignore[union-attr]
+            raise
+        workers = [r for r in rows if r["rank"] >= self.trainers]
+        return SyncReport(version, {r["rank"]: int(r["bytes_received"]) for r in workers},
+                          {r["rank"]: r.get("seconds", {}) for r in rows})
+
+    def close(self) -> None:
+        """Closes the group (the workers close theirs when a sync fails or on shutdown)."""
+        close_group(self.group)
+        self.group, self.sender = None, None
+
+
+def _raise_worker_errors(rows: list[dict[str, Any]], what: str) -> None:
+    failed = [(r["rank"], r["error"]) for r in rows if r.get("error")]
+    if failed:
+        rank, error = failed[0]
+        raise SyncError(f"{what}: sync rank {rank} failed: {error}")
+
+
+def _settle(future: concurrent.futures.Future) -> None:
+    """Waits for a control-plane call made before a failure; its own error is only logged."""
+    try:
+        future.result()
+    except Exception as e:  # the workers' side of the same failure
+        log.info("trainer: the engine's call failed too: %s: %s", type(e).__name__, e)

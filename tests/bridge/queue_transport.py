@@ -1,0 +1,213 @@
+"""A test double of ``bridge.wire.transport.Transport``: in-process queues between the ranks (threads) of one
+process, with faults injected on the wire, and the in-process sync groups that carry the control traffic.
+
+``Hub`` holds one FIFO per (sender, receiver) pair; each rank's ``QueueTransport`` copies a send's bytes
+into its pair's FIFO when posted, and a receive takes the next message of its pair when waited for (into
+the receive's own buffer: the "straight into the staging" path of the protocol). A rank that gives up
+(``abort``) is marked gone, so its peers' waits fail at once, as gloo's closed pairs make them.
+
+Faults (``Fault``), applied from this rank's ``post``-th ``post`` call on (1-based, its first send):
+
+  drop     the send never arrives
+  delay    every send from then on arrives ``seconds`` late, in order (a slow link)
+  short    the send arrives 8 bytes short
+  long     the send arrives 8 bytes long
+  reorder  the send arrives after the next send to the same peer
+
+``run_ranks`` runs one function per rank in threads, each on a gloo group of its own over one shared
+``HashStore`` (registered as ``bridge.engines.group.open_group`` registers its groups, so the sync's
+alarm works in-process too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from bridge.errors import SyncError
+from bridge.wire import alarm as _alarm
+from bridge.wire.alarm import SyncAlarm, wait_failure
+from bridge.wire.transport import Kind, Op
+from jreshard.core.args import check_int, check_seconds
+
+FAULTS = ("drop", "delay", "short", "long", "reorder")
+POLL = 0.01  # seconds between two looks at a pair's queue while waiting
+
+
+class Hub:
+    """The wires of one in-process group: one FIFO of byte tensors per (sender, receiver) pair."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pairs: dict[tuple[int, int], queue.SimpleQueue[torch.Tensor]] = {}
+        self.gone: set[int] = set()
+
+    def pair(self, src: int, dst: int) -> queue.SimpleQueue[torch.Tensor]:
+        with self._lock:
+            return self._pairs.setdefault((src, dst), queue.SimpleQueue())
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Fault:
+    kind: str
+    post: int = 2
+    seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAULTS:
+            raise ValueError(f"kind must be one of {FAULTS}, got {self.kind!r}.")
+        check_int("post", self.post, minimum=1)
+        if self.kind == "delay":
+            check_seconds("seconds", self.seconds)
+
+
+class QueueTransport:
+    """Rank ``rank``'s end of ``hub`` (see the module docstring)."""
+
+    name = "queue"
+
+    def __init__(self, hub: Hub, rank: int, fault: Fault | None = None) -> None:
+        self.hub, self.rank, self.fault = hub, rank, fault
+        self.posts = 0
+        self._held: dict[int, torch.Tensor] = {}  # reorder: a send held back until the next one to its peer
+        self._slow: queue.SimpleQueue[tuple[float, int, torch.Tensor]] | None = None
+
+    def post(self, ops: Sequence[Op]) -> list[Op | None]:
+        self.posts += 1
+        hit = self.fault is not None and self.posts == self.fault.post
+        handles: list[Op | None] = []
+        for op in ops:
+            if op.kind == Kind.RECV:
+                handles.append(op)
+                continue
+            data = op.buf.contiguous().view(-1).view(torch.uint8).clone()
+            if hit:
+                hit = False
+                data = self._hit(op.peer, data)
+            if data is not None:
+                self._deliver(op.peer, data)
+            handles.append(None)  # a send is done once queued
+        return handles
+
+    def _hit(self, peer: int, data: torch.Tensor) -> torch.Tensor | None:
+        """The first send of the faulty post, as the fault leaves it (``None``: nothing to deliver now)."""
+        assert self.fault is not None
+        kind = self.fault.kind
+        if kind == "drop":
+            return None
+        if kind == "short":
+            return data[:-8]
+        if kind == "long":
+            return torch.cat([data, torch.zeros(8, dtype=torch.uint8)])
+        if kind == "reorder":
+            self._held[peer] = data
+            return None
+        self._slow = queue.SimpleQueue()  # delay: this send and every later one go through a slow link
+        threading.Thread(target=self._slow_link, args=(self._slow,), daemon=True).start()
+        return data
+
+    def _deliver(self, peer: int, data: torch.Tensor) -> None:
+        if self._slow is not None:
+            assert self.fault is not None
+            self._slow.put((time.monotonic() + self.fault.seconds, peer, data))
+        else:
+            self.hub.pair(self.rank, peer).put(data)
+        held = self._held.pop(peer, None)
+        if held is not None:
+            self.hub.pair(self.rank, peer).put(held)
+
+    def _slow_link(self, link: queue.SimpleQueue[tuple[float, int, torch.Tensor]]) -> None:
+        while True:
+            due, peer, data = link.get()
+            time.sleep(max(0.0, due - time.monotonic()))
+            self.hub.pair(self.rank, peer).put(data)
+
+    def wait(self, handles: Sequence[Op | None], *, deadline: float, alarm: SyncAlarm, what: str, rank: int) -> None:
+        recvs = [h for h in handles if h is not None]
+        left = max(deadline - time.monotonic(), 0.001)
+
+        def job() -> None:
+            for op in recvs:
+                self._receive(op, deadline, left, f"{what} with peer rank {op.peer}", rank)
+
+        if recvs:
+            alarm.run(job, what)
+
+    def _receive(self, op: Op, deadline: float, left: float, what: str, rank: int) -> None:
+        pair = self.hub.pair(op.peer, self.rank)
+        while True:
+            try:
+                data = pair.get(timeout=POLL)
+                break
+            except queue.Empty:
+                if op.peer in self.hub.gone:
+                    raise SyncError(f"rank {rank}: {what} failed: the peer gave up (its end of the queue "
+                                    "closed)") from None
+                if time.monotonic() >= deadline:
+                    raise wait_failure(TimeoutError("nothing arrived"), deadline, left, what, rank) from None
+        if data.numel() != op.nbytes:
+            raise SyncError(f"rank {rank}: {what} failed: {data.numel()} bytes arrived for a receive of "
+                            f"{op.nbytes}; the transport delivered a message of the wrong size.")
+        op.buf.view(-1).view(torch.uint8).copy_(data)
+
+    def abort(self) -> None:
+        self.hub.gone.add(self.rank)
+
+    def close(self) -> None:
+        self._slow = None
+
+
+def local_group(store: Any, rank: int, size: int, timeout: float) -> dist.ProcessGroup:
+    """Rank ``rank``'s gloo group of ``size`` ranks over ``store``, registered as ``open_group`` does."""
+    delta = datetime.timedelta(seconds=timeout)
+    pg = dist.ProcessGroup(store, rank, size)
+    gloo = dist.ProcessGroupGloo(store, rank, size, timeout=delta)
+    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    gloo._set_sequence_number_for_group()
+    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+    c10d._world.pg_group_ranks[pg] = {r: r for r in range(size)}
+    _alarm.register_store(pg, store)
+    return pg
+
+
+def drop_group(pg: dist.ProcessGroup) -> None:
+    c10d._world.pg_group_ranks.pop(pg, None)
+    _alarm.forget_store(pg)
+
+
+def run_ranks(size: int, fn: Callable[[int, dist.ProcessGroup], Any], *, timeout: float = 60.0,
+              group_timeout: float = 15.0) -> list[Any]:
+    """``fn(rank, group)`` for every rank, each in a thread with a group of its own; returns what each
+    returned (or the exception it raised)."""
+    store = dist.HashStore()
+    out: list[Any] = [None] * size
+    groups: list[dist.ProcessGroup | None] = [None] * size
+
+    def one(rank: int) -> None:
+        try:
+            groups[rank] = local_group(dist.PrefixStore("sync/", store), rank, size, group_timeout)
+            out[rank] = fn(rank, groups[rank])
+        except BaseException as e:  # noqa: BLE001 (handed to the test)
+            out[rank] = e
+
+    threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    alive = [r for r, t in enumerate(threads) if t.is_alive()]
+    for pg in groups:
+        if pg is not None:
+            drop_group(pg)
+    if alive:
+        raise TimeoutError(f"ranks {alive} still run after {timeout} s")
+    return out
