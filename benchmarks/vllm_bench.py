@@ -182,8 +182,11 @@ def live(args: argparse.Namespace) -> None:
     sync = VLLMWeightSync(Recipe.llama(cfg), workers=2, client=LLMClient(llm), rank=0, trainers=1,
                           port=free_ports(1)[0], timeout=300.0, ready_timeout=300.0)
     t0 = time.perf_counter()
-    report = sync.sync(params, 1)  # opens the group, plans, first sync
-    first = time.perf_counter() - t0
+    sync.connect(params)  # the group, the hellos and the plan (every rank plans it once)
+    connect = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    report = sync.sync(params, 1)  # the first send compiles XLA's casts and transposes (once per shard shape)
+    first, first_send = time.perf_counter() - t0, report.seconds[0]
     assert sync.plan is not None
     plan_bytes = bytes_per_worker(sync.plan.param_map, sync.plan.source)
     flat = {keystr(k, simple=True, separator="/"): x for k, x in tree_flatten_with_path(params)[0]}
@@ -230,7 +233,8 @@ def live(args: argparse.Namespace) -> None:
     print(f"\n{'':<12}{'bytes per worker (ranks 1, 2)':>34}{'sync time (median of ' + str(args.reps) + ')':>26}")
     recv = [report.bytes_received[r] for r in sorted(report.bytes_received)]
     print(f"{'jreshard':<12}{', '.join(f'{x / 2**20:.1f} MiB' for x in recv):>34}{j:>22.3f} s"
-          f"   (first sync with handshake {first:.2f} s)")
+          f"   (first sync {connect + first:.2f} s: group, hellos and plan {connect:.2f} s, first send "
+          f"{first_send['send']:.2f} s, of which pack {first_send['pack']:.2f} s)")
     full_bytes = list(plan_bytes["nccl"].values())
     print(f"{'nccl-like':<12}{', '.join(f'{x / 2**20:.1f} MiB' for x in full_bytes):>34}{b:>22.3f} s")
     m2n = [plan_bytes["nccl_m2n"][r] for r in sorted(plan_bytes["nccl_m2n"])]

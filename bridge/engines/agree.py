@@ -11,6 +11,7 @@ recipe's param map as it is.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from bridge.engines.fp8 import fp8_from_hellos, fp8_sync_map
@@ -39,10 +40,13 @@ class Agreement:
       plan: the sync plan (over the quantized source when the engine is FP8).
       fp8: the FP8 sync the trainer quantizes for (``bridge.trainer.fp8.quantize_params``);
         ``None`` when the engine is not FP8.
+      tied: engine params each worker fills from another param's received tensor instead of
+        receiving them (``{name: source name}``, ``Recipe.tied``).
     """
 
     plan: BridgePlan
     fp8: Fp8ParamMap | None = None
+    tied: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 def agree(hellos: list[dict[str, Any]]) -> Agreement:
@@ -77,12 +81,12 @@ def agree(hellos: list[dict[str, Any]]) -> Agreement:
             raise PlanMismatchError(f"the trainer's leaves and recipe do not fit the FP8 engine ({fmt}): {e}") from None
         fp8 = dataclasses.replace(fp8, param_map=resolve_names(fp8.param_map, engine_params))  # scales nest as weights
         source, param_map = fp8.source, fp8.param_map
-    problems = check_engine_params(param_map, engine_params)
+    problems = check_engine_params(param_map, engine_params, source, recipe.tied)
     if problems:
         raise PlanMismatchError("the trainer's leaves and recipe do not match the engine; nothing was sent: "
                                 + "; ".join(problems[:6]) + (f" (and {len(problems) - 6} more)" if len(problems) > 6
                                                             else ""))
-    return Agreement(BridgePlan(source, param_map, bucket_bytes=int(lead["bucket_bytes"])), fp8)
+    return Agreement(BridgePlan(source, param_map, bucket_bytes=int(lead["bucket_bytes"])), fp8, recipe.tied)
 
 
 def plan_from_hellos(hellos: list[dict[str, Any]]) -> BridgePlan:

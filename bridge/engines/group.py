@@ -26,9 +26,12 @@ from bridge.wire.group import all_gather_bytes
 from jreshard.core.args import check_int
 from jreshard.core.execution import ExecutionStats
 
-__all__ = ["open_group", "close_group", "all_gather_json", "wire_seconds"]
+__all__ = ["CLOSED_KEY", "host_store", "owner_open", "open_group", "close_group", "all_gather_json", "wire_seconds"]
 
-_STORES: dict[dist.ProcessGroup, dist.TCPStore] = {}
+_STORES: dict[dist.ProcessGroup, dist.Store] = {}
+
+# Trainer rank 0 sets this key in its store (outside every group's name) when it lets the workers go.
+CLOSED_KEY = "jreshard.closed"
 
 # The wire's steps a rank reports per sync (``ExecutionStats.step_seconds`` of a Sender's or Receiver's sync).
 _WIRE_STEPS = ("handshake", "pack", "vote", "post", "wait")
@@ -39,20 +42,38 @@ def wire_seconds(stats: ExecutionStats) -> dict[str, float]:
 
     Example:
       >>> from bridge.engines.group import wire_seconds
-      >>> from jreshard.core.args import check_int
-from jreshard.core.execution import ExecutionStats
+      >>> from jreshard.core.execution import ExecutionStats
       >>> wire_seconds(ExecutionStats(sent_bytes=4096, step_seconds={"pack": 0.5, "wait": 0.25}))
       {'handshake': 0.0, 'pack': 0.5, 'vote': 0.0, 'post': 0.0, 'wait': 0.25}
     """
     return {k: float(stats.step_seconds.get(k, 0.0)) for k in _WIRE_STEPS}
 
 
+def host_store(host: str, port: int, world_size: int, *, timeout: float) -> dist.TCPStore:
+    """The store server a sync group's rank 0 hosts on ``host:port`` (binds the port until dropped).
+
+    Trainer rank 0 keeps one for as long as it syncs and opens every group on it under a new
+    name (``open_group(..., store=...)``): a group that failed may live on in a traceback until
+    Python's garbage collector runs, but it never holds the port the next group needs.
+    """
+    port = check_int("port", port, maximum=65535)
+    world_size = check_int("world_size", world_size, minimum=1)
+    try:
+        return dist.TCPStore(host, port, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout),
+                             wait_for_workers=False)
+    except RuntimeError as e:  # torch's DistNetworkError: the port is taken
+        raise ValueError(f"port {port} on {host} cannot be bound ({e}); another TrainerSync (or another process) "
+                         "holds it: close() that one, or give another port.") from None
+
+
 def open_group(host: str, port: int, rank: int, world_size: int, *, timeout: float,
-               name: str = "jreshard") -> dist.ProcessGroup:
+               name: str = "jreshard", store: dist.Store | None = None) -> dist.ProcessGroup:
     """Joins (rank 0: hosts) a gloo group of ``world_size`` ranks on ``host:port``.
 
     Blocks until every rank joined or ``timeout`` seconds passed. The group is not the
-    default group: pass it as ``group=`` to the bridge's ``Sender``/``Receiver``.
+    default group: pass it as ``group=`` to the bridge's ``Sender``/``Receiver``. ``store``:
+    the store to open the group on (rank 0's from ``host_store``, kept across groups; each
+    group then needs a ``name`` of its own); default: a new one (rank 0 hosts it).
     """
     rank = check_int("rank", rank)
     world_size = check_int("world_size", world_size, minimum=1)
@@ -60,7 +81,8 @@ def open_group(host: str, port: int, rank: int, world_size: int, *, timeout: flo
     if not rank < world_size:
         raise ValueError(f"rank {rank} must be below world_size {world_size}.")
     delta = datetime.timedelta(seconds=timeout)
-    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=delta, wait_for_workers=False)
+    if store is None:
+        store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=delta, wait_for_workers=False)
     prefix = dist.PrefixStore(f"{name}/", store)
     pg = dist.ProcessGroup(prefix, rank, world_size)
     gloo = dist.ProcessGroupGloo(prefix, rank, world_size, timeout=delta)
@@ -84,6 +106,17 @@ def close_group(pg: dist.ProcessGroup | None) -> None:
     _alarm.forget_store(pg)
     with contextlib.suppress(RuntimeError, AttributeError):  # already broken by a dead peer, or an older torch
         pg.shutdown()
+
+
+def owner_open(pg: dist.ProcessGroup | None) -> bool:
+    """Whether the trainer that hosts ``pg``'s store still holds it: reachable, and not closed (``CLOSED_KEY``)."""
+    store = _STORES.get(pg) if pg is not None else None
+    if store is None:
+        return False
+    try:
+        return not store.check([CLOSED_KEY])
+    except Exception:  # the store's host exited: nobody holds the workers
+        return False
 
 
 def _wait(work: Any, timeout: float, what: str) -> None:

@@ -150,6 +150,9 @@ def engine_params_of(hello: Mapping[str, Any]) -> list[EngineParam]:
 def build_param_map(source: Source, recipe: Recipe, engine: EngineShape) -> ParamMap:
     """Every worker's params from the trainer's leaves, the recipe and the engine's shape.
 
+    The params the recipe ties (``Recipe.tied``: the ``lm_head`` of a model with tied embeddings)
+    are not among them: their bytes would cross the wire twice.
+
     Raises:
       ValueError: a leaf matches no rule, or a rule does not fit the engine (an uneven split).
     """
@@ -166,11 +169,12 @@ def build_param_map(source: Source, recipe: Recipe, engine: EngineShape) -> Para
     if experts:
         param_map = param_map + tp_param_map(source, experts, engine.expert_grid(), dtype=engine.dtype,
                                              strict=False)
-    if recipe.tie_lm_head:
-        from bridge.recipes.llama import tie_lm_head
-
-        param_map = tie_lm_head(param_map)
-    return param_map
+    doubled = sorted(set(recipe.tied) & {p.name for p in param_map.params})
+    if doubled:
+        raise ValueError(f"the recipe ties {doubled} to {[recipe.tied[n] for n in doubled]}, but trainer leaves fill "
+                         "them too; drop those leaves (a tied model has none) or give a recipe with "
+                         "tie_lm_head=False.")
+    return param_map  # a tied param (``recipe.tied``) is not sent: each worker fills it from its source
 
 
 def resolve_names(param_map: ParamMap, engine_params: Mapping[int, Sequence[EngineParam]]) -> ParamMap:
@@ -179,8 +183,10 @@ def resolve_names(param_map: ParamMap, engine_params: Mapping[int, Sequence[Engi
     A recipe names an engine's modules as the model code builds them
     (``model.layers.0.mlp.experts.w13_weight``); some vLLM versions hold the same parameter
     in a submodule (``model.layers.0.mlp.experts.routed_experts.w13_weight``). A param whose
-    name is not an engine param of its rank takes the one engine param under the same parent
-    module with the same parameter name and shape, if there is exactly one; every rank resolves alike.
+    name is not an engine param of its rank takes the one engine param one module deeper under
+    the same parent with the same parameter name (of those, the one with its shape where several
+    are), so that a param of the wrong shape is reported as a shape mismatch
+    (``check_engine_params``), not as a missing and an extra name; every rank resolves alike.
     """
     by_rank = {rank: {t.name: t for t in live} for rank, live in engine_params.items()}
     out = []
@@ -189,23 +195,29 @@ def resolve_names(param_map: ParamMap, engine_params: Mapping[int, Sequence[Engi
         if p.name not in live:
             parent, _, leaf = p.name.rpartition(".")
             found = [t for t in live.values() if t.name.startswith(parent + ".") and t.name.endswith("." + leaf)
-                     and t.name.count(".") == p.name.count(".") + 1 and tuple(t.shape) == tuple(p.shape)]
-            if len(found) == 1:
-                p = dataclasses.replace(p, name=found[0].name)
+                     and t.name.count(".") == p.name.count(".") + 1]
+            same = [t for t in found if tuple(t.shape) == tuple(p.shape)]
+            if len(same) == 1 or len(found) == 1:
+                p = dataclasses.replace(p, name=(same if len(same) == 1 else found)[0].name)
         out.append(p)
     return ParamMap(out)
 
 
-def check_engine_params(param_map: ParamMap, engine_params: Mapping[int, Sequence[EngineParam]]) -> list[str]:
+def check_engine_params(param_map: ParamMap, engine_params: Mapping[int, Sequence[EngineParam]],
+                        source: Source | None = None, tied: Mapping[str, str] | None = None) -> list[str]:
     """What differs between the params the sync writes and each worker's engine params (empty: nothing).
 
     Every param must be an engine param of its rank with the same shape and dtype, and every
     engine param must be written: a parameter the sync skipped would keep its old weights.
+    With ``source`` (the trainer's leaves), a param of another shape or dtype names the leaves
+    it comes from and their shapes. An engine param tied to a param (``tied``: ``{name: source}``,
+    ``Recipe.tied``) is filled from its source's tensor, so it must have the source's shape and dtype.
     """
     problems = []
     for rank, live in sorted(engine_params.items()):
         want = {t.name: t for t in live}
         got = {p.name: p for p in param_map.for_rank(rank)}
+        got.update({name: got[src] for name, src in (tied or {}).items() if src in got and name in want})
         missing = sorted(set(want) - set(got))
         extra = sorted(set(got) - set(want))
         if missing:
@@ -217,8 +229,11 @@ def check_engine_params(param_map: ParamMap, engine_params: Mapping[int, Sequenc
         for name in sorted(set(want) & set(got)):
             t, p = want[name], got[name]
             if tuple(p.shape) != tuple(t.shape) or p.dtype != t.dtype:
+                leaves = sorted({r.leaf for r in p.regions})
+                given = "" if source is None else " " + ", ".join(
+                    f"{leaf!r} {source.layout(leaf).shape}" for leaf in leaves if leaf in source.paths)
                 problems.append(f"rank {rank}: {name!r} is {tuple(t.shape)} {t.dtype} in the engine but "
-                                f"{tuple(p.shape)} {p.dtype} from the trainer's leaves and recipe")
+                                f"{tuple(p.shape)} {p.dtype} from the trainer's leaves{given} and recipe")
     return problems
 
 

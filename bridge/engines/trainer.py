@@ -7,7 +7,10 @@ through its ``EngineControl``, the one seam an engine implements on this side: w
 control call blocks on the data plane (the workers joining, receiving), rank 0 makes it
 from a helper thread and joins or sends at the same time. The first sync (and the first
 after a failed one) opens a new gloo group with the workers (``bridge.engines.group``)
-and exchanges hellos (``bridge.engines.hello``); later ones only send. When the engine
+and exchanges hellos (``bridge.engines.hello``); later ones only send. Trainer rank 0 hosts
+one store on ``host:port`` until ``close()`` and opens every group on it under a name of its
+own, so a retry after a failure never waits for the port; while it is open, the engine's
+workers refuse another ``TrainerSync`` (``bridge.engines.worker.WorkerSync.join``). When the engine
 serves a block-FP8 model the hellos agree on an FP8 sync, and every ``sync`` quantizes
 ``params`` where their shards are (``bridge.trainer.fp8.quantize_params``) before sending
 FP8 weights and their scales.
@@ -16,13 +19,15 @@ FP8 weights and their scales.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
+import re
 import time
 from typing import Any, Protocol
 
 from bridge.engines.agree import agree
-from bridge.engines.group import all_gather_json, close_group, open_group, wire_seconds
+from bridge.engines.group import CLOSED_KEY, all_gather_json, close_group, host_store, open_group, wire_seconds
 from bridge.engines.hello import trainer_hello
 from bridge.engines.worker import GroupInfo
 from bridge.errors import PlanMismatchError, SyncError
@@ -35,6 +40,13 @@ from jreshard.core.args import check_flag, check_int, check_name, check_seconds
 __all__ = ["EngineControl", "SyncReport", "TrainerSync"]
 
 log = logging.getLogger("bridge")
+
+# What a trainer does after a failed sync: the wire's own advice (rebuild the default group on every
+# rank) does not fit here, where the workers cannot be reached and ``sync`` opens a new group itself.
+_RETRY_ADVICE = ("The sync group is closed and the engine keeps serving its previous weights: call sync(params, "
+                "version) again on every trainer rank; it reconnects on the same port.")
+_WIRE_ADVICE = re.compile(r"\s*The process group is no longer usable: call bridge\.rebuild_group\(\.\.\.\) on every "
+                          r"rank, then retry\.")
 
 
 class EngineControl(Protocol):
@@ -120,6 +132,8 @@ class TrainerSync:
         self.plan: BridgePlan | None = None
         self.fp8: Fp8ParamMap | None = None  # the agreed FP8 sync when the engine is FP8
         self.sender: Sender | None = None
+        self._store: Any = None  # rank 0's store server, kept across groups (bridge.engines.group.host_store)
+        self._groups = 0  # groups opened so far: each has a name of its own on the store
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jreshard-control")
 
     @property
@@ -133,12 +147,18 @@ class TrainerSync:
           PlanMismatchError: the leaves and recipe do not match the engine (every rank refuses).
           SyncError: a worker failed to join or to set up; see the engine's log.
         """
-        info, source = self.info, describe(params, list(range(self.trainers)))
+        source = describe(params, list(range(self.trainers)))
+        # Every trainer rank opens as many groups as the others (each learns every failure), so the
+        # names agree; the workers learn theirs from rank 0's control call.
+        self._groups += 1
+        info = dataclasses.replace(self.info, name=f"{self.info.name}/{self._groups}")
+        if self.rank == 0 and self._store is None:
+            self._store = host_store(info.host, info.port, info.world_size, timeout=info.ready_timeout)
         joined = None if self.control is None else self._pool.submit(self.control.connect, info)
         hello = trainer_hello(self.rank, source=source, recipe=self.recipe, bucket_bytes=self.bucket_bytes)
         try:
             self.group = open_group(info.host, info.port, self.rank, info.world_size, timeout=info.ready_timeout,
-                                    name=info.name)
+                                    name=info.name, store=self._store)
             hellos = all_gather_json(hello, self.group, timeout=info.ready_timeout, what="the hello")
             mismatch = None
             try:
@@ -155,7 +175,7 @@ class TrainerSync:
             self.sender = Sender(self.plan, rank=self.rank, timeout=info.timeout, ready_timeout=info.ready_timeout,
                                  checksum=self.checksum)
         except BaseException:
-            self.close()
+            self._drop_group()
             if joined is not None:
                 _settle(joined)
             raise
@@ -169,8 +189,10 @@ class TrainerSync:
         Raises:
           PlanMismatchError: the trainer's leaves and recipe do not match the engine (nothing moved).
           SyncError: a peer died, stalled or failed; the engine keeps serving its previous weights.
-            The group is closed; the next ``sync`` opens a new one (give a new ``port`` if the old
-            one may still be bound).
+            The group is closed; the next ``sync`` (on every trainer rank) opens a new one on the
+            same store and port, at once.
+          ValueError, TypeError: ``params`` lack a leaf or hold one of another shape (every rank
+            learns it and refuses the sync; the next ``sync`` reconnects).
         """
         check_int("version", version)
         if self.group is None:
@@ -196,21 +218,35 @@ class TrainerSync:
                 update.result()
                 begun = False
                 self.control.end_update(version)  # type: ignore[union-attr]
-        except BaseException:
-            self.close()
+        except BaseException as e:
+            self._drop_group()
             if update is not None:
                 _settle(update)
             if begun:  # ends the engine's update (it committed nothing)
                 self.control.end_update(None)  # type: ignore[union-attr]
+            if isinstance(e, SyncError) and not isinstance(e, PlanMismatchError):
+                raise type(e)(f"{_WIRE_ADVICE.sub('', str(e))} {_RETRY_ADVICE}") from None
             raise
         workers = [r for r in rows if r["rank"] >= self.trainers]
         return SyncReport(version, {r["rank"]: int(r["bytes_received"]) for r in workers},
                           {r["rank"]: r.get("seconds", {}) for r in rows})
 
     def close(self) -> None:
-        """Closes the group (the workers close theirs when a sync fails or on shutdown)."""
-        close_group(self.group)
-        self.group, self.sender = None, None
+        """Closes the group and releases the port; the engine's workers then take a new ``TrainerSync``'s group.
+
+        The workers close their side when a sync fails or on shutdown; until this is called, they
+        refuse another ``TrainerSync`` (another address) that tries to take them over.
+        """
+        self._drop_group()
+        store, self._store = self._store, None
+        if store is not None:
+            with contextlib.suppress(RuntimeError):  # tells the workers this trainer let them go
+                store.set(CLOSED_KEY, "1")
+
+    def _drop_group(self) -> None:
+        """Closes this sync's group (after a failure); the store and its port stay for the next one."""
+        group, self.group, self.sender = self.group, None, None
+        close_group(group)
 
 
 def _raise_worker_errors(rows: list[dict[str, Any]], what: str) -> None:

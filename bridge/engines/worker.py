@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from bridge.engines.agree import plan_from_hellos
-from bridge.engines.group import all_gather_json, close_group, open_group, wire_seconds
+from bridge.engines.agree import agree
+from bridge.engines.group import all_gather_json, close_group, open_group, owner_open, wire_seconds
 from bridge.errors import SyncError
 from bridge.plan.bridge_plan import BridgePlan
 from bridge.wire.receiver import Receiver
@@ -165,12 +165,21 @@ class WorkerSync:
         self.version: int | None = None
         self._info: GroupInfo | None = None
         self._adoptable: frozenset[str] = frozenset()
+        self._tied: dict[str, str] = {}  # engine params committed from another param's staging tensor
 
     def join(self, info: GroupInfo, hello: Mapping[str, Any]) -> bool:
         """Joins the trainers' group, exchanges hellos and makes the staging tensors; True when every rank agreed.
 
         ``hello`` is this worker's ``bridge.engines.hello.worker_hello`` (its ``rank`` is its rank in the group).
+        A worker synced by trainers elsewhere (another ``host:port``) that have not closed refuses, so that
+        those trainers' next sync still finds it; once they closed (``TrainerSync.close``) or exited, it
+        joins the new ones.
         """
+        old = self._info
+        if old is not None and (old.host, old.port) != (info.host, info.port) and owner_open(self.group):
+            return self._refuse(info, hello, f"this engine's workers are synced by the trainers at {old.host}:"
+                                             f"{old.port}, which have not closed; call close() on that "
+                                             "VLLMWeightSync (TrainerSync) first, or use it")
         self.close()
         self._info, self.rank = info, int(hello["rank"])
         try:
@@ -182,21 +191,41 @@ class WorkerSync:
             return False
         error = None
         try:
-            self.plan = plan_from_hellos(hellos)
+            agreed = agree(hellos)
+            self.plan = agreed.plan
             mine = self.plan.param_map.for_rank(self.rank)
             staging = {p.name: torch.zeros(p.shape, dtype=torch_dtype(p.dtype), device=self.device) for p in mine}
+            live = {n for n, _, _ in hello["params"]}
+            self._tied = {name: src for name, src in agreed.tied.items() if name in live and src in staging}
             self.receiver = StagingReceiver(self.plan, staging, rank=self.rank, atomic=False, timeout=info.timeout,
                                             ready_timeout=info.ready_timeout)
             # Params that every sync writes whole may be adopted by the model instead of copied; the
             # others (padding rows of the vocabulary are never sent) keep their staging tensors.
-            self._adoptable = frozenset(p.name for p in mine
-                                        if sum(math.prod(r.shape) for r in p.regions) == math.prod(p.shape))
+            # A tied param's source is committed twice (itself, then the tied param): the model copies it.
+            self._adoptable = frozenset(p.name for p in mine if p.name not in self._tied.values()
+                                        and sum(math.prod(r.shape) for r in p.regions) == math.prod(p.shape))
         except Exception as e:  # a plan mismatch: every rank found the same one
             error = f"{type(e).__name__}: {e}"
         if not self._report(error, "the hello"):
             return False
         log.info("jreshard: rank %d joined the sync group: %r", self.rank, self.plan)
         return True
+
+    def _refuse(self, info: GroupInfo, hello: Mapping[str, Any], error: str) -> bool:
+        """Joins ``info``'s group only to tell its ranks ``error``; keeps the group this worker has."""
+        rank = int(hello["rank"])
+        log.error("jreshard: rank %d refuses the trainers at %s:%d: %s", rank, info.host, info.port, error)
+        group = None
+        try:
+            group = open_group(info.host, info.port, rank, info.world_size, timeout=info.ready_timeout,
+                               name=info.name)
+            all_gather_json(dict(hello), group, timeout=info.ready_timeout, what="the hello")
+            all_gather_json({"rank": rank, "error": error}, group, timeout=info.timeout, what="the hello")
+        except Exception as e:  # the new trainers time out, or gave up first
+            log.error("jreshard: rank %d: refusing the trainers at %s:%d failed: %s", rank, info.host, info.port, e)
+        finally:
+            close_group(group)
+        return False
 
     def receive(self, version: int, commit: CommitFn) -> bool:
         """Receives ``version`` into the staging tensors, commits it, reports; True when every rank committed.
@@ -221,7 +250,8 @@ class WorkerSync:
         else:
             try:
                 t0 = time.perf_counter()
-                done = commit(self.receiver.params, self._adoptable)
+                tensors = {**self.receiver.params, **{n: self.receiver.params[s] for n, s in self._tied.items()}}
+                done = commit(tensors, self._adoptable)
                 renewed = self.receiver.renew(done.adopted)
                 seconds.update(commit=time.perf_counter() - t0, process=done.process_seconds)
                 log.debug("jreshard: rank %d: the model adopted %d tensors and kept %d of them", self.rank,

@@ -54,7 +54,8 @@ class Recipe:
       ep_expert_rules: the same experts split linearly over the engine's ranks (vLLM's
         ``enable_expert_parallel``: one row per rank, experts whole); used when the engine has
         expert parallelism.
-      tie_lm_head: the engine has an ``lm_head.weight`` filled from the embedding.
+      tie_lm_head: the engine has an ``lm_head.weight`` filled from the embedding: the embedding's
+        bytes cross the wire once and each worker fills both from them (``tied``).
     """
 
     rules: tuple[Rule, ...]
@@ -92,6 +93,18 @@ class Recipe:
         dense = tuple(r for r in qwen3_moe_rules(config, names=names, vocab_pad=vocab_pad) if r not in experts)
         return cls(dense, experts, tuple(expert_rules(target="vllm", names=names, ep=True)),
                    bool(config.tie_word_embeddings))
+
+    @property
+    def tied(self) -> dict[str, str]:
+        """Engine params filled from another param's received tensor, not sent: ``{tied name: source name}``.
+
+        Example:
+          >>> from bridge.recipes import Recipe
+          >>> from jreshard.nn import LlamaConfig
+          >>> Recipe.llama(LlamaConfig.load("llama-tiny", tie_word_embeddings=True)).tied
+          {'lm_head.weight': 'model.embed_tokens.weight'}
+        """
+        return {"lm_head.weight": "model.embed_tokens.weight"} if self.tie_lm_head else {}
 
     def to_data(self) -> dict[str, Any]:
         """The recipe as JSON-ready plain data (what a trainer's hello carries)."""

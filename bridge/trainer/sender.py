@@ -84,12 +84,23 @@ class _PackSegment(NamedTuple):
 
 
 @functools.cache
-def _cast_transpose(perm: tuple[int, ...], dtype: str) -> Callable[[Any], Any]:
-    """One jitted cast-then-transpose per (permutation, dtype), shared by every Sender."""
+def _cast_transpose(perm: tuple[int, ...], dtype: str, devices: tuple[Any, ...]) -> tuple[Any, Callable[[Any], Any]]:
+    """One jitted cast-then-transpose per (permutation, dtype, devices), shared by every Sender, and the sharding
+    of its input.
+
+    It runs over equal shards on ``devices`` taken together as one process-local array (split along
+    dim 0, one shard per device; no copy), and gives each device the transpose of its own shard. XLA
+    then compiles once per shard shape and set of devices, where a program per shard compiled once
+    per shape and device: on a first sync of 4 devices, 20 compiles (1.9 s of its 2.7 s) became 5.
+    """
     import jax
     import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
 
-    return jax.jit(lambda a: jnp.transpose(a.astype(dtype), perm))
+    mesh = jax.sharding.Mesh(np.array(devices, dtype=object), ("shards",))
+    out = NamedSharding(mesh, PartitionSpec(*("shards" if p == 0 else None for p in perm)))
+    fn = jax.jit(lambda a: jnp.transpose(a.astype(dtype), perm), out_shardings=out)
+    return NamedSharding(mesh, PartitionSpec("shards")), fn
 
 
 def _source_ids(trainer_ranks: Sequence[int]) -> dict[int, int]:
@@ -195,6 +206,13 @@ class Sender:
                 for piece in pseg.pieces:
                     if piece.shard.dtype is not None and piece.shard not in self._xla_keys.setdefault(b, []):
                         self._xla_keys[b].append(piece.shard)
+        # Shards XLA casts or transposes alike, of one leaf on this process's devices: one program runs them
+        # together (``_cast_transpose``), the first time a bucket reads any of them.
+        together: dict[tuple, list[_ShardKey]] = {}
+        for key in sorted({k for keys in self._xla_keys.values() for k in keys}, key=lambda k: k.src):
+            shape = plan.source.layout(key.leaf).shard_box(key.src).shape
+            together.setdefault((key.leaf, key.perm, key.dtype, shape), []).append(key)
+        self._together = {k: tuple(keys) for keys in together.values() for k in keys}
         self._release: dict[tuple[int, int], list[_ShardKey]] = {}
         for key, where in last_use.items():
             self._release.setdefault(where, []).append(key)
@@ -242,15 +260,31 @@ class Sender:
                 out[(path, dev)] = shard.data
         return out
 
-    def _dispatch(self, shards: dict, cache: dict, bucket: int) -> None:
-        """Starts XLA's cast/transpose of the shards ``bucket`` reads.
+    def _dispatch(self, shards: dict, cache: dict, done: set, bucket: int) -> None:
+        """Starts XLA's cast/transpose of the shards ``bucket`` reads (with the shards of their leaf cast alike).
 
         Asynchronous: XLA computes them while this thread posts and waits for the previous
-        bucket's sends.
+        bucket's sends. ``done`` holds the groups of shards started this sync.
         """
+        import jax
+
         for key in self._xla_keys.get(bucket, ()):
-            if key not in cache:
-                cache[key] = _cast_transpose(key.perm, key.dtype)(shards[(key.leaf, key.src)])
+            group = self._together[key]
+            if group in done:
+                continue
+            done.add(group)
+            arrays = [shards[(k.leaf, k.src)] for k in group]
+            first = arrays[0]
+            if first.ndim == 0:  # nothing to stack (a scalar leaf)
+                for k, a in zip(group, arrays, strict=True):
+                    cache[k] = a.astype(k.dtype)
+                continue
+            sharding, fn = _cast_transpose(key.perm, key.dtype, tuple(a.device for a in arrays))
+            whole = jax.make_array_from_single_device_arrays(
+                (len(arrays) * first.shape[0], *first.shape[1:]), sharding, arrays)
+            by_device = {s.device: s.data for s in fn(whole).addressable_shards}
+            for k, a in zip(group, arrays, strict=True):
+                cache[k] = by_device[a.device]
 
     def _view(self, shards: dict, cache: dict, key: _ShardKey) -> torch.Tensor:
         hit = cache.get(key)
@@ -260,9 +294,9 @@ class Sender:
             hit = cache[key] = torch.from_dlpack(hit)
         return hit
 
-    def _pack(self, shards: dict, cache: dict, m: Message, buf: torch.Tensor) -> list[torch.Tensor]:
-        self._dispatch(shards, cache, m.bucket)
-        self._dispatch(shards, cache, m.bucket + 1)  # computed while this bucket is on the wire
+    def _pack(self, shards: dict, cache: dict, done: set, m: Message, buf: torch.Tensor) -> list[torch.Tensor]:
+        self._dispatch(shards, cache, done, m.bucket)
+        self._dispatch(shards, cache, done, m.bucket + 1)  # computed while this bucket is on the wire
         sends = []
         for seg in self._pack_plan[(m.bucket, m.dst)]:
             for piece in seg.pieces:
@@ -298,9 +332,14 @@ class Sender:
         if error is not None:
             # Join the handshake so every rank learns this one rejected the sync, then raise the cause.
             reject_sync(self.plan, rank=self.rank, group=group, ready_timeout=self.ready_timeout)
-            raise error
+            try:
+                raise error
+            finally:  # the error's traceback holds this frame: no cycle that keeps the group alive
+                del error
         cache: dict = {}
-        side = Side(Role.SENDER, pack=lambda m, buf: self._pack(shards, cache, m, buf), device=_torch_device(shards))
+        done: set = set()
+        side = Side(Role.SENDER, pack=lambda m, buf: self._pack(shards, cache, done, m, buf),
+                    device=_torch_device(shards))
         session = SyncSession(self.plan, self.rank, group, side, version=version, timeout=self.timeout,
                               ready_timeout=self.ready_timeout, checksum=self.checksum, progress=self.progress,
                               arena=self._arena, transport=transport)

@@ -62,8 +62,22 @@ class LlamaConfig:
 
     @classmethod
     def load(cls, name_or_path: str | Path, **overrides: Any) -> LlamaConfig:
-        """Reads a model JSON: a name in ``jreshard/data/models`` or a file path."""
+        """Reads a model JSON: a name in ``jreshard/data/models``, a file path, or a checkpoint folder.
+
+        A Hugging Face ``config.json`` (a checkpoint's, or ``transformers.Qwen3MoeConfig(...).to_dict()``
+        saved) reads as ``transformers`` writes it: ``num_local_experts`` is ``num_experts``,
+        ``rope_parameters["rope_theta"]`` is ``rope_theta``, ``head_dim`` defaults to
+        ``hidden_size // num_attention_heads``, and a ``qwen3``/``qwen3_moe`` ``model_type`` has
+        ``qk_norm``. ``overrides`` win over the file.
+
+        Example:
+          >>> from jreshard.nn import MoeConfig
+          >>> MoeConfig.load("qwen3-moe-tiny", num_experts=16).num_experts
+          16
+        """
         path = Path(name_or_path)
+        if path.is_dir():
+            path = path / "config.json"
         if path.suffix != ".json":
             ref = resources.files("jreshard") / "data" / "models" / f"{name_or_path}.json"
             if not ref.is_file():
@@ -74,7 +88,7 @@ class LlamaConfig:
             text = ref.read_text()
         else:
             text = path.read_text()
-        raw = json.loads(text)
+        raw = _from_hf(json.loads(text))
         fields = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in raw.items() if k in fields}
         kwargs.update(overrides)
@@ -105,6 +119,26 @@ class LlamaConfig:
             "attention_bias": False,
             "mlp_bias": False,
         }
+
+
+def _from_hf(raw: dict[str, Any]) -> dict[str, Any]:
+    """A model JSON with ``transformers``' names and defaults translated to the configs' fields."""
+    out = dict(raw)
+    if "num_experts" not in out and "num_local_experts" in out:  # transformers 5.x's Qwen3-MoE and Mixtral
+        out["num_experts"] = out["num_local_experts"]
+    rope = out.get("rope_parameters")
+    if "rope_theta" not in out and isinstance(rope, dict) and "rope_theta" in rope:
+        out["rope_theta"] = rope["rope_theta"]
+    if out.get("head_dim") is None and out.get("hidden_size") and out.get("num_attention_heads"):
+        out["head_dim"] = out["hidden_size"] // out["num_attention_heads"]
+    if "qk_norm" not in out and out.get("model_type") in ("qwen3", "qwen3_moe"):
+        out["qk_norm"] = True
+    if out.get("num_key_value_heads") is None and "num_attention_heads" in out:
+        out["num_key_value_heads"] = out["num_attention_heads"]  # transformers' default: no grouping
+    if out.get("mlp_only_layers"):
+        raise ValueError(f"mlp_only_layers {out['mlp_only_layers']} is not supported: jreshard.nn's MoE model "
+                         "makes every decoder_sparse_step-th layer sparse; give an empty list.")
+    return out
 
 
 _MOE_INT_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")

@@ -5,6 +5,7 @@ Importable without jax, torch and vLLM (every process imports it before choosing
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -52,7 +53,12 @@ def fp8_config() -> LlamaConfig:
                        tie_word_embeddings=False, name="qwen3-fp8-test")
 
 
-KINDS = {"dense": qwen3_config, "moe": moe_config, "fp8": fp8_config}
+def tied_config() -> LlamaConfig:
+    """The tiny Qwen3 with tied embeddings (as Qwen3-0.6B to 4B): vLLM's lm_head holds the embedding's tensor."""
+    return dataclasses.replace(qwen3_config(), tie_word_embeddings=True, name="qwen3-tied-test")
+
+
+KINDS = {"dense": qwen3_config, "moe": moe_config, "fp8": fp8_config, "tied": tied_config}
 
 
 def config(kind: str) -> LlamaConfig:
@@ -67,8 +73,9 @@ def python() -> str:
 
 def hf_to_flax(state: dict[str, np.ndarray], cfg: LlamaConfig) -> dict[str, np.ndarray]:
     """Hugging Face Qwen3 tensors to the flax leaves of ``jreshard.nn`` (kernels are ``[in, out]``)."""
-    out = {"embed/embedding": state["model.embed_tokens.weight"], "final_norm/scale": state["model.norm.weight"],
-           "lm_head/kernel": state["lm_head.weight"].T}
+    out = {"embed/embedding": state["model.embed_tokens.weight"], "final_norm/scale": state["model.norm.weight"]}
+    if not cfg.tie_word_embeddings:  # a tied model's lm_head is its embedding
+        out["lm_head/kernel"] = state["lm_head.weight"].T
     for i in range(cfg.num_hidden_layers):
         j, h = f"layers_{i}/", f"model.layers.{i}."
         for n in "qkvo":

@@ -169,3 +169,49 @@ def test_expert_names_resolve_to_the_live_submodule_and_ep_places_experts_linear
         np.testing.assert_array_equal(ref[rank]["model.layers.1.mlp.experts.w13_weight"], want)
         want2 = arrays["layers_1/mlp/experts/down_proj"].transpose(0, 2, 1)[4 * r:4 * r + 4]
         np.testing.assert_array_equal(ref[rank]["model.layers.1.mlp.experts.w2_weight"], want2)
+
+
+def test_a_wrong_shaped_expert_leaf_is_a_shape_mismatch_naming_the_leaf_not_missing_and_extra_names():
+    from bridge.engines.agree import plan_from_hellos
+    from bridge.errors import PlanMismatchError
+
+    cfg = MoeConfig.load("qwen3-moe-tiny")
+    src = Source.build(param_shapes(cfg), trainer_mesh((4,), "fsdp", [0, 1], 2), fsdp_spec)
+    recipe = Recipe.qwen3_moe(cfg)
+    nested = {r: [EngineParam(p.name.replace(".experts.", ".experts.routed_experts."), p.shape, p.dtype)
+                  for p in ps] for r, ps in params_of(build_param_map(src, recipe, TP2)).items()}
+    shapes = dict(param_shapes(cfg))
+    shapes["layers_1/mlp/experts/down_proj"] = (8, 32, 128)  # half the experts' inner size
+    bad = Source.build(shapes, trainer_mesh((4,), "fsdp", [0, 1], 2), fsdp_spec)
+    with pytest.raises(PlanMismatchError) as e:
+        plan_from_hellos(hellos(bad, recipe, TP2, nested))
+    message = str(e.value)
+    assert "get no leaf" not in message and "not in the engine" not in message, message
+    assert ("rank 2: 'model.layers.1.mlp.experts.routed_experts.w2_weight' is (8, 128, 32) float32 in the engine "
+            "but (8, 128, 16) float32 from the trainer's leaves 'layers_1/mlp/experts/down_proj' (8, 32, 128) "
+            "and recipe") in message, message
+
+
+def test_tied_embeddings_cross_the_wire_once_and_every_worker_receives_its_lower_bound():
+    from bridge.engines.agree import agree
+
+    tied_cfg = dataclasses.replace(C.qwen3_config(), tie_word_embeddings=True)
+    untied_src, untied = dense_source(), Recipe.llama(C.qwen3_config())
+    src = Source.build(param_shapes(tied_cfg), trainer_mesh((4,), "fsdp", [0, 1], 2), fsdp_spec)
+    recipe = Recipe.llama(tied_cfg)
+    pm = build_param_map(src, recipe, TP2)
+    assert "lm_head.weight" not in pm.names(2) + pm.names(3)
+    # vLLM's tied model has an lm_head param of its own (the embedding's tensor): the workers fill it.
+    live = params_of(build_param_map(untied_src, untied, TP2))
+    agreed = agree(hellos(src, recipe, TP2, live))
+    assert agreed.tied == {"lm_head.weight": "model.embed_tokens.weight"}
+    untied_pm = build_param_map(untied_src, untied, TP2)
+    for r in (2, 3):
+        head = next(p for p in untied_pm.for_rank(r) if p.name == "lm_head.weight")
+        lower = sum(int(np.prod(g.shape)) * 4 for p in untied_pm.for_rank(r) for g in p.regions) \
+            - sum(int(np.prod(g.shape)) * 4 for g in head.regions)
+        assert agreed.plan.rank_bytes()["recv"][r] == lower  # the untied sync less its lm_head: the embedding once
+    live[3] = [dataclasses.replace(t, shape=(8, 128)) if t.name == "lm_head.weight" else t for t in live[3]]
+    with pytest.raises(Exception, match=r"rank 3: 'lm_head.weight' is \(8, 128\) float32 in the engine but "
+                                        r"\(512, 128\) float32"):
+        agree(hellos(src, recipe, TP2, live))

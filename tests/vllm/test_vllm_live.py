@@ -31,6 +31,7 @@ from tests.vllm._live import (  # noqa: E402
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 KILL_TIMEOUT = 5.0  # seconds: the sync deadline of the trainers one of which dies
+RETRY_SECONDS = 60.0  # a sync after a failed one: a few seconds; the stale store made it 30 to 225 s or fail
 
 
 class TestDense(EngineChecks):
@@ -75,6 +76,31 @@ class TestDense(EngineChecks):
             assert finish(procs, tmp_path / "again") == [0, 0], logs(tmp_path / "again")
         finally:
             kill_all(procs)
+
+
+    def test_a_sync_after_a_failed_one_on_the_same_object_and_port_works_at_once(self, engine, tmp_path):
+        procs = start_trainers(engine, tmp_path, "1,2,3", mode="retry")
+        try:
+            assert wait_sync(tmp_path, procs, 0, 1)["ok"]
+            (tmp_path / "go_v1").touch()
+            for rank in range(C.TRAINERS):
+                rec = wait_sync(tmp_path, procs, rank, 2)
+                assert not rec["ok"] and rec["error"] == "ValueError" and "final_norm/scale" in rec["message"], rec
+            rec = wait_sync(tmp_path, procs, 0, 3)
+            assert rec["ok"], rec
+            assert rec["seconds"] < RETRY_SECONDS, rec  # at once: no stale store, no wait for the garbage collector
+            assert_matches(generate(engine), oracle(engine, tmp_path, 3))
+            assert version(engine) == "3"
+            (tmp_path / "go_v3").touch()
+            assert finish(procs, tmp_path) == [0, 0], logs(tmp_path)
+        finally:
+            kill_all(procs)
+
+
+class TestTied(EngineChecks):
+    """Tied embeddings (as Qwen3-0.6B to 4B): the embedding crosses the wire once and fills vLLM's lm_head too."""
+
+    kind, padded_vocab = "tied", True
 
 
 class TestMoe(EngineChecks):

@@ -8,7 +8,9 @@ weights (``params_v{v}.npz``) and every rank its events (``rank{R}.json``: repor
 Rank 0 waits for the file ``go_v{v}`` before the next version, so the test can query the engine in between.
 
 ``--mode mismatch`` syncs with a recipe that asks for bfloat16 params (the engine holds float32);
-``--mode die`` makes rank 1 exit in the middle of the first sync. ``--kind`` names the model
+``--mode die`` makes rank 1 exit in the middle of the first sync; ``--mode retry`` sends version 2 with
+``final_norm/scale`` of the wrong shape (the sync fails on every rank) and goes on with the next version
+on the same ``VLLMWeightSync``. ``--kind`` names the model
 (``tests/vllm/_common.KINDS``; ``fp8``: the engine serves it as block-FP8, the sync quantizes).
 """
 
@@ -55,7 +57,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--versions", default="1")
     ap.add_argument("--timeout", type=float, default=30.0, help="the sync's deadline after its handshake (seconds)")
-    ap.add_argument("--mode", default="normal", choices=["normal", "mismatch", "die"])
+    ap.add_argument("--mode", default="normal", choices=["normal", "mismatch", "die", "retry"])
     ap.add_argument("--kind", default="dense", choices=sorted(C.KINDS))
     args = ap.parse_args()
 
@@ -87,7 +89,7 @@ def main() -> None:
     state = opt.init(params)
     step = jax.jit(train_step, static_argnums=(0, 1))
 
-    recipe = Recipe.llama(cfg) if args.kind == "dense" else Recipe.qwen3_moe(cfg)
+    recipe = Recipe.qwen3_moe(cfg) if args.kind == "moe" else Recipe.llama(cfg)
     if args.mode == "mismatch":
         recipe = Recipe(tuple(dataclasses.replace(r, dtype="bfloat16") for r in recipe.rules))
     client = C.RemoteClient(("127.0.0.1", args.server)) if args.rank == 0 else None
@@ -116,9 +118,14 @@ def main() -> None:
 
             arrays = {keystr(k, simple=True, separator="/"): np.asarray(x) for k, x in tree_flatten_with_path(full)[0]}
             np.savez(os.path.join(args.out, f"params_v{v}.npz"), **arrays)
+        send = params
+        if args.mode == "retry" and v == 2:  # a leaf of the wrong shape, on a connected group
+            norm = NamedSharding(mesh, P(None))
+            send = {**params, "final_norm": {"scale": jax.make_array_from_callback(
+                (cfg.hidden_size // 2,), norm, lambda idx: np.ones(cfg.hidden_size // 2, np.float32)[idx])}}
         t0 = time.perf_counter()
         try:
-            report = sync.sync(params, v)
+            report = sync.sync(send, v)
             plan = sync.plan
             size = {p.name: jnp.dtype(p.dtype).itemsize for p in plan.param_map.params}
             events["syncs"][str(v)] = {
@@ -134,6 +141,8 @@ def main() -> None:
             events["syncs"][str(v)] = {"ok": False, "error": type(e).__name__, "message": str(e),
                                        "seconds": time.perf_counter() - t0, "trace": traceback.format_exc()[-3000:]}
             save(args.out, args.rank)
+            if args.mode == "retry":
+                continue
             break
         save(args.out, args.rank)
         if args.rank == 0:

@@ -85,6 +85,9 @@ class VLLMWeightSync(TrainerSync):
       client: the engine's weight-sync client; required on trainer rank 0, ignored elsewhere.
       rank, trainers, host, port, bucket_bytes, timeout, ready_timeout, checksum: as ``TrainerSync``'s.
 
+    After a failed sync, call ``sync`` again: it reconnects at once on the same port. One object
+    holds an engine's workers until its ``close()``; another one (another port) is refused until then.
+
     Example (trainer rank 0 of one, beside a ``vllm.LLM`` built with the ``"jreshard"`` backend)::
 
         sync = VLLMWeightSync(Recipe.llama(config), workers=2, client=LLMClient(llm), port=29600)
