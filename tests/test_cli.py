@@ -30,7 +30,7 @@ def test_json_keys_and_values(tmp_path, capsys):
     assert rc == 0, err
     r = json.loads(out)
     assert set(r) >= KEYS
-    assert set(r["predicted_seconds"]) == {"jreshard", "gather_broadcast", "flat_direct"}
+    assert set(r["predicted_seconds"]) == {"jreshard", "gather_broadcast", "flat_direct", "pipelined_tree"}
     # llama-tiny in float32: tp-split tensors reach both engines, norms all 8 devices.
     assert r["bytes_moved"] == r["lower_bound_bytes"] == 2 * 13706240 + 6 * 9 * 256 * 4
     assert r["naive_bytes"] == 8 * 13706240

@@ -57,8 +57,8 @@ def test_copies_are_charged_at_copy_GBps_after_the_links():
     # Gather-then-broadcast writes into the tensors (one collective each): no copies charged.
     src2 = {"w": Layout((1000,), Mesh([0, 1], "tp"), ("tp",), dtype="uint8")}
     dst2 = {"w": Layout((1000,), Mesh([2, 3], "dp"), (), dtype="uint8")}
-    assert cost.gather_broadcast(src2, dst2, dataclasses.replace(TOPO, copy_GBps=1e-3)) == cost.gather_broadcast(
-        src2, dst2, TOPO)
+    for baseline in (cost.gather_broadcast, cost.pipelined_tree):
+        assert baseline(src2, dst2, dataclasses.replace(TOPO, copy_GBps=1e-3)) == baseline(src2, dst2, TOPO)
 
 
 def test_plan_prediction_coalesces_messages_per_pair():
@@ -70,10 +70,24 @@ def test_plan_prediction_coalesces_messages_per_pair():
     assert cost.predict(tr, topo).seconds == pytest.approx(1000 / 10e9 + 6e-6)
 
 
-def test_gather_broadcast_by_hand():
+def test_gather_broadcast_through_one_rank_in_series():
+    # Two tensors on two stages: both gather into device 0 (one rank), then broadcast in series.
+    src = {"a": Layout((1000,), Mesh([0, 1], "tp"), ("tp",), dtype="uint8"),
+           "b": Layout((1000,), Mesh([2], "x"), (), dtype="uint8")}
+    dst = {k: Layout((1000,), Mesh([4, 5, 6, 7], "dp"), (), dtype="uint8") for k in src}
+    topo = Topology(gpus_per_domain=2, nvlink_GBps=100, network_GBps=10, latency_us=1, bucket_bytes=1000)
+    p = cost.gather_broadcast(src, dst, topo, overlap=False)
+    gather = 500 / 100e9 + 1000 / 10e9 + 2e-6  # a: 500 B over NVLink; b: 1000 B over the network; two collectives
+    bcast = 2 * 1000 / 10e9 + (2 + 4) * 1e-6  # both tensors at the NIC rate, a launch per bucket, the chain's depth
+    assert p.stages == pytest.approx((gather, bcast)) and p.seconds == pytest.approx(gather + bcast)
+    assert p.network_bytes == 1000 + 2 * 2 * 1000  # the gather of b, and each tensor into two other domains
+    assert cost.gather_broadcast(src, dst, topo).seconds == pytest.approx(max(gather, bcast) + min(gather, bcast) / 2)
+
+
+def test_pipelined_tree_by_hand():
     src = {"w": Layout((1000,), Mesh([0, 1], "tp"), ("tp",), dtype="uint8")}
     dst = {"w": Layout((1000,), Mesh([2, 3, 4, 5], "dp"), (), dtype="uint8")}
-    p = cost.gather_broadcast(src, dst, TOPO)
+    p = cost.pipelined_tree(src, dst, TOPO)
     # Gather: device 1 sends 500 B to root 0 over NVLink. Broadcast chain 0 -> 2 -> 3 -> 4 -> 5:
     # every network hop carries 1000 B at 10 GB/s, the NVLink hops are faster.
     assert p.stages == pytest.approx((500 / 100e9, 1000 / 10e9))
@@ -211,7 +225,7 @@ def test_hardware_and_topology_errors():
         cost.flat_direct({"a": CASES["scalar"][0]}, {"b": CASES["scalar"][1]}, TOPO)
 
 
-@pytest.mark.parametrize("module", ["cost", "hardware", "traffic", "hierarchical", "baselines", "layer"])
+@pytest.mark.parametrize("module", ["cost", "hardware", "traffic", "hierarchical", "baselines", "layer", "calibration"])
 def test_docstring_examples(module):
     mod = importlib.import_module(f"jreshard.fleet.{module}")
     result = doctest.testmod(mod)
@@ -221,7 +235,7 @@ def test_docstring_examples(module):
 def test_old_public_names_reachable():
     names = ["Hardware", "Topology", "Traffic", "Prediction", "TwoStagePlan", "Comparison", "load_hardware",
              "hardware_names", "predict", "sender_load_bound", "predict_plan", "predict_two_stage", "plan_traffic",
-             "hierarchical_plan", "gather_broadcast", "flat_direct", "compare"]
+             "hierarchical_plan", "gather_broadcast", "pipelined_tree", "flat_direct", "compare"]
     assert set(names) <= set(cost.__all__)
     for name in cost.__all__:
         assert getattr(cost, name) is getattr(importlib.import_module("jreshard.fleet.cost"), name)
@@ -328,9 +342,10 @@ def test_fp8_exchange_is_a_first_stage_and_scales_ride_with_weights():
     assert with_fp8.direct.stages == pytest.approx((first.seconds, plain.direct.seconds))
     assert with_fp8.flat_direct.seconds == pytest.approx(first.seconds + plain.flat_direct.seconds)
     # Gather-then-broadcast sends each scale in its weight's collective: fewer messages, same bytes moved on.
-    gb = with_fp8.gather_broadcast
-    assert gb.seconds < plain.gather_broadcast.seconds
-    before = plain.gather_broadcast
+    gb = with_fp8.pipelined_tree
+    assert gb.seconds < plain.pipelined_tree.seconds
+    assert with_fp8.gather_broadcast.network_bytes == plain.gather_broadcast.network_bytes  # scales in its buckets
+    before = plain.pipelined_tree
     assert gb.network_bytes + gb.nvlink_bytes == before.network_bytes + before.nvlink_bytes - 8  # device 1's scale row
     assert gb.stages == pytest.approx((before.stages[0] - 1e-6, before.stages[1] - 1e-6))  # one message fewer each
 

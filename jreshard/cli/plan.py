@@ -11,9 +11,10 @@ import time
 from collections.abc import Iterator
 from typing import Any, cast
 
+from jreshard.core.layout import canonical_dtype
 from jreshard.core.planner import Plan, PlanStats, clear_cache, plan
 from jreshard.core.progress import progress_bar, show_progress
-from jreshard.fleet import catalog, cost
+from jreshard.fleet import calibration, catalog, cost
 from jreshard.fleet.fp8 import AmaxSummary
 from jreshard.fleet.layer import format_layer, predict_layer
 from jreshard.fleet.presets import parse_degrees
@@ -187,12 +188,26 @@ def plan_report(s: Scenario, *, experts: str = "separate", hierarchical: str = "
             "jreshard_hierarchical": _prediction(cmp.hierarchical, "hierarchical"),
             "gather_broadcast": _prediction(cmp.gather_broadcast, "gather-then-broadcast"),
             "flat_direct": _prediction(cmp.flat_direct, "flat direct"),
+            "pipelined_tree": _prediction(cmp.pipelined_tree, "pipelined tree (ideal)"),
         },
         "labels": {**LABELS, "predicted_seconds": {"delivery": f"jreshard: {cmp.delivery}; baselines: their own",
                                                    "links": "network and NVLink"}},
         "published": dict(s.published),
+        "calibration": _calibration(s, cmp.seconds()),
         "fp8": _fp8_report(s, fp8[1]) if fp8 else None,
     }
+
+
+def _calibration(s: Scenario, predicted: dict[str, float]) -> list[dict[str, Any]]:
+    """Each published full-sync figure beside its prediction; a ratio only where the dtypes agree."""
+    measured_in = canonical_dtype(s.published.get("dtype", s.dtype))
+    out = []
+    for method, fig in calibration.published(s.published).items():
+        same = measured_in == s.dtype
+        out.append({"method": method, "published": fig.text, "published_dtype": measured_in,
+                    "predicted": predicted[method], "ratio": calibration.ratio(predicted[method], fig) if same
+                    else None})
+    return out
 
 
 def _fp8_report(s: Scenario, summary: AmaxSummary) -> dict[str, Any]:
@@ -260,6 +275,7 @@ def format_report(r: dict[str, Any]) -> str:
          else "does not apply (no NVLink domain holds two replicas of a tensor)"),
         ("predicted gather+bcast", _links(pred["gather_broadcast"])),
         ("predicted flat direct", _links(pred["flat_direct"])),
+        ("predicted tree (ideal)", _links(pred["pipelined_tree"])),
         ("planning time", f"cold {r['plan_seconds_cold']:.3f} s, warm {r['plan_seconds_warm'] * 1e3:.2f} ms"),
     ]
     f8 = r.get("fp8")
@@ -274,6 +290,12 @@ def format_report(r: dict[str, Any]) -> str:
         ]
     if pub:
         rows.append(("published", ", ".join(f"{k} {v}" for k, v in pub.items())))
+    for c in r.get("calibration", []):
+        label = {"jreshard": "jreshard", "gather_broadcast": "gather+bcast", "flat_direct": "flat direct"}
+        vs = (f"ratio {c['ratio']:.2f} (goal {calibration.BAND[0]}-{calibration.BAND[1]})" if c["ratio"] is not None
+              else f"measured in {c['published_dtype']}: rerun with --dtype {c['published_dtype']} for the ratio")
+        rows.append((f"  vs published {label[c['method']]}",
+                     f"predicted {c['predicted']:.3f} s, published {c['published']} s; {vs}"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

@@ -8,7 +8,8 @@
 - ``scenario``: a model, both sides' degrees and devices, and hardware, from one file;
 - ``cost``: the cost model (``hardware``, ``traffic``, ``hierarchical`` delivery and the
   ``baselines``), re-exported as one module; ``layer``: one layer's routed experts
-  through it, next to published per-layer figures.
+  through it, next to published per-layer figures; ``calibration``: published figures
+  beside predictions, and their ratio.
 
 Pure (numpy only); builds on the core (``nn_presets`` also reads the pure model
 configuration of ``jreshard.nn.config``).

@@ -17,8 +17,9 @@ The model (see ``docs/cost_model.md``):
   messages sent and received). The sync takes as long as the slowest device. No
   switch congestion (full-bisection fabric).
 - Messages: jreshard and flat direct sends coalesce all bytes between a sender and
-  a receiver into messages of at most ``bucket_bytes``; gather-then-broadcast pays
-  one message per tensor per hop (one collective per tensor).
+  a receiver into messages of at most ``bucket_bytes``; the pipelined tree pays
+  one message per tensor per hop (one collective per tensor); gather-then-broadcast
+  runs its collectives one after another through one rank (``baselines``).
 - Stages (gather then broadcast; hierarchical injection then fan-out) run one
   after the other: their times add; except hierarchical delivery by an executor that
   carries both stages in the same buckets (``overlap=``, the bridge): the longer
@@ -27,7 +28,8 @@ The model (see ``docs/cost_model.md``):
 Deliveries and baselines: *direct* delivery is the core plan (``jreshard.plan``);
 *hierarchical* delivery (``jreshard.fleet.hierarchical``) crosses the network once
 per NVLink domain and fans out over NVLink; the baselines
-(``jreshard.fleet.baselines``) are gather-then-broadcast and flat direct sends.
+(``jreshard.fleet.baselines``) are gather-then-broadcast as RL stacks run it, flat
+direct sends, and an idealised pipelined tree.
 ``compare`` predicts them all and keeps the faster of jreshard's two deliveries
 (``decide``, the same choice ``jreshard.transfer(hierarchical="auto")`` makes).
 Every name of those modules is reachable from this one.
@@ -51,7 +53,7 @@ from collections.abc import Callable, Mapping
 
 from jreshard.core.layout import Layout
 from jreshard.core.planner import Plan
-from jreshard.fleet.baselines import flat_direct, gather_broadcast
+from jreshard.fleet.baselines import flat_direct, gather_broadcast, pipelined_tree
 from jreshard.fleet.fp8 import Fp8Costs
 from jreshard.fleet.hardware import Hardware, Topology, hardware_names, load_hardware
 from jreshard.fleet.hierarchical import (
@@ -75,7 +77,7 @@ from jreshard.fleet.traffic import (
 
 __all__ = ["Hardware", "Topology", "Traffic", "Prediction", "TwoStagePlan", "Comparison", "load_hardware",
            "hardware_names", "predict", "sender_load_bound", "predict_plan", "predict_two_stage", "plan_traffic",
-           "hierarchical_plan", "gather_broadcast", "flat_direct", "compare", "StagePart",
+           "hierarchical_plan", "gather_broadcast", "pipelined_tree", "flat_direct", "compare", "StagePart",
            "has_domain_replicas", "decide", "Decision"]
 
 
@@ -95,11 +97,12 @@ class Comparison:
     hierarchical: Prediction | None
     gather_broadcast: Prediction
     flat_direct: Prediction
+    pipelined_tree: Prediction
 
     def seconds(self) -> dict[str, float]:
         """Predicted seconds of jreshard (its chosen delivery) and of each baseline."""
         return {"jreshard": self.jreshard.seconds, "gather_broadcast": self.gather_broadcast.seconds,
-                "flat_direct": self.flat_direct.seconds}
+                "flat_direct": self.flat_direct.seconds, "pipelined_tree": self.pipelined_tree.seconds}
 
 
 def compare(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology, *, hierarchical: str = "auto",
@@ -135,6 +138,8 @@ def compare(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology
     d = decide(src, dst, topo, hierarchical, direct_plan=jreshard_plan, progress=progress, first=first,
                overlap=overlap)
     chosen = d.hierarchical if d.delivery == "hierarchical" and d.hierarchical is not None else d.direct
-    baseline = gather_broadcast(src, dst, topo, riders=fp8.scales if fp8 else None)
+    riders = fp8.scales if fp8 else None
+    baseline = gather_broadcast(src, dst, topo, riders=riders)
     flat = flat_direct(src, dst, topo)
-    return Comparison(chosen, d.delivery, d.direct, d.hierarchical, baseline, flat if first is None else first + flat)
+    return Comparison(chosen, d.delivery, d.direct, d.hierarchical, baseline, flat if first is None else first + flat,
+                      pipelined_tree(src, dst, topo, riders=riders))
