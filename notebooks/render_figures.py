@@ -36,13 +36,14 @@ def quickstart() -> Figure:
 
 
 def plan_a_model() -> Figure:
-    """02_plan_a_model: DeepSeek-V3 sync on DGX H100, jreshard against the baselines (cost model)."""
+    """02_plan_a_model: DeepSeek-V3 sync on DGX H100, jreshard against the three baselines (cost model)."""
     from jreshard.fleet import cost, scenario
 
     s = scenario.load_scenario("dsv3-dgx-h100")
     src, dst = s.layouts(experts="stacked")
     c = cost.compare(src, dst, s.topology(), jreshard_plan=jreshard.plan(src, dst))
-    methods = {"jreshard": c.jreshard, "flat direct sends": c.flat_direct, "gather-then-broadcast": c.gather_broadcast}
+    methods = {"jreshard": c.jreshard, "flat direct sends": c.flat_direct, "gather-then-broadcast": c.gather_broadcast,
+               "pipelined tree (ideal)": c.pipelined_tree}
     return viz.draw_comparison({k: p.network_bytes for k, p in methods.items()},
                                {k: p.seconds for k, p in methods.items()},
                                nvlink_bytes_by_method={k: p.nvlink_bytes for k, p in methods.items()},

@@ -138,6 +138,7 @@ def gather_broadcast(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo:
 
     Example:
       >>> from jreshard import Layout, Mesh
+      >>> from jreshard.fleet.baselines import gather_broadcast
       >>> from jreshard.fleet.hardware import Topology
       >>> topo = Topology(gpus_per_domain=2, nvlink_GBps=100, network_GBps=10, latency_us=0)
       >>> src = {"w": Layout((1000,), Mesh([0, 1], "tp"), ("tp",), dtype="uint8")}

@@ -122,7 +122,11 @@ def _ms(seconds: float | None) -> str:
 
 
 def format_layer(p: LayerPrediction) -> str:
-    """The prediction as a table next to the published figures, and what explains the difference."""
+    """The prediction as a table next to the published figures, and what explains the difference.
+
+    Its gather-then-broadcast row is the baseline as RL stacks run it (through one training
+    rank); the ideal pipelined tree, a bound, is in ``p.comparison.pipelined_tree``.
+    """
     c, pub = p.comparison, p.published
     rows = [("", "predicted", "published"),
             (f"jreshard ({c.delivery})", _ms(c.jreshard.seconds), _ms(pub.jreshard_s if pub else None)),
