@@ -22,7 +22,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
-import re
 import time
 from typing import Any, Protocol
 
@@ -45,8 +44,6 @@ log = logging.getLogger("bridge")
 # rank) does not fit here, where the workers cannot be reached and ``sync`` opens a new group itself.
 _RETRY_ADVICE = ("The sync group is closed and the engine keeps serving its previous weights: call sync(params, "
                 "version) again on every trainer rank; it reconnects on the same port.")
-_WIRE_ADVICE = re.compile(r"\s*The process group is no longer usable: call bridge\.rebuild_group\(\.\.\.\) on every "
-                          r"rank, then retry\.")
 
 
 class EngineControl(Protocol):
@@ -225,7 +222,7 @@ class TrainerSync:
             if begun:  # ends the engine's update (it committed nothing)
                 self.control.end_update(None)  # type: ignore[union-attr]
             if isinstance(e, SyncError) and not isinstance(e, PlanMismatchError):
-                raise type(e)(f"{_WIRE_ADVICE.sub('', str(e))} {_RETRY_ADVICE}") from None
+                raise e.with_advice(_RETRY_ADVICE) from None
             raise
         workers = [r for r in rows if r["rank"] >= self.trainers]
         return SyncReport(version, {r["rank"]: int(r["bytes_received"]) for r in workers},

@@ -56,7 +56,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from bridge.errors import SyncError
+from bridge.errors import REBUILD_GROUP, SyncError
 
 __all__ = ["Alarm", "Waiter", "SyncAlarm", "SLICE", "store_of", "register_store", "forget_store", "wait_once",
            "wait_failure"]
@@ -179,8 +179,7 @@ def wait_failure(e: Exception, deadline: float, left: float, what: str, rank: in
     why = ("timeout" if time.monotonic() >= deadline - 0.01 else "the process group's timeout, shorter than "
            "this wait" if "timed out" in str(e).lower() else "a peer's connection closed: it died or gave up")
     return SyncError(f"rank {rank}: {what} failed before the sync's deadline ({left:.3g} s were left; "
-                     f"{why}): {e}. The process group is no longer usable: "
-                     "call bridge.rebuild_group(...) on every rank, then retry.")
+                     f"{why}): {e}.", advice=REBUILD_GROUP)
 
 
 class SyncAlarm:
@@ -191,7 +190,7 @@ class SyncAlarm:
     that escapes other than a ``SyncError`` (which rang it where it arose, if it ended this
     rank's part) rings it; leaving closes the helper thread.
 
-      >>> from bridge.errors import SyncError
+      >>> from bridge.errors import REBUILD_GROUP, SyncError
       >>> from bridge.wire.alarm import SyncAlarm
       >>> with SyncAlarm(None, rank=0) as quiet:
       ...     quiet.run(lambda: None, "bucket 1/1")
@@ -272,8 +271,7 @@ class SyncAlarm:
         heard = self.alarm.heard() if self.alarm is not None else None
         if heard is not None and not done():
             raise SyncError(f"rank {self.rank}: stopped waiting for {what}: another rank gave up and raised the "
-                            f"sync's alarm ({heard}). The process group is no longer usable: call "
-                            "bridge.rebuild_group(...) on every rank, then retry.")
+                            f"sync's alarm ({heard}).", advice=REBUILD_GROUP)
 
     def close(self) -> None:
         if self.waiter is not None:

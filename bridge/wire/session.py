@@ -69,7 +69,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from bridge.errors import PlanMismatchError, SyncError
+from bridge.errors import REBUILD_GROUP, PlanMismatchError, SyncError
 from bridge.plan.bridge_plan import WIRE_DTYPES, BridgePlan
 from bridge.wire import vote as _vote
 from bridge.wire.alarm import SyncAlarm
@@ -365,8 +365,7 @@ class SyncSession:
                 # The others give up at the deadline: committing now could leave receivers on different versions.
                 raise self.alarm.give_up(SyncError(
                     f"rank {self.rank}: the final ack completed at the sync's deadline, when other ranks may "
-                    "already have given up; nothing was committed. The process group is no longer usable: call "
-                    "bridge.rebuild_group(...) on every rank, then retry."))
+                    "already have given up; nothing was committed.", advice=REBUILD_GROUP))
             failure = _vote.verdict(self.plan, b, self.ranks, ballot.table)
             if failure is not None:
                 raise SyncError(_vote.describe(self.plan, self.rank, failure))
