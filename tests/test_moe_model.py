@@ -13,6 +13,7 @@ import transformers
 from jax.tree_util import tree_flatten_with_path
 
 from jreshard.nn import MoeConfig, init_params, logits, make_optimizer, param_shapes, train_step
+from tests.helpers import hf_state
 
 
 def _flat(params) -> dict[str, np.ndarray]:
@@ -20,27 +21,8 @@ def _flat(params) -> dict[str, np.ndarray]:
 
 
 def _hf_state(flat: dict[str, np.ndarray], cfg: MoeConfig) -> dict[str, torch.Tensor]:
-    """The Hugging Face state dict, written out by hand from the two models' conventions."""
-    t = {"model.embed_tokens.weight": flat["embed/embedding"], "model.norm.weight": flat["final_norm/scale"]}
-    # transformers keeps lm_head.weight in the state dict even when it is tied to the embedding.
-    t["lm_head.weight"] = flat["embed/embedding"] if cfg.tie_word_embeddings else flat["lm_head/kernel"].T
-    for i in range(cfg.num_hidden_layers):
-        p, q = f"layers_{i}", f"model.layers.{i}"
-        t[f"{q}.input_layernorm.weight"] = flat[f"{p}/input_norm/scale"]
-        t[f"{q}.post_attention_layernorm.weight"] = flat[f"{p}/post_attention_norm/scale"]
-        for n in ("q", "k", "v", "o"):
-            t[f"{q}.self_attn.{n}_proj.weight"] = flat[f"{p}/attn/{n}_proj/kernel"].T
-        for n in ("q", "k"):
-            t[f"{q}.self_attn.{n}_norm.weight"] = flat[f"{p}/attn/{n}_norm/scale"]
-        if cfg.is_sparse(i):
-            gate, up = flat[f"{p}/mlp/experts/gate_proj"], flat[f"{p}/mlp/experts/up_proj"]  # [E, H, I]
-            t[f"{q}.mlp.gate.weight"] = flat[f"{p}/mlp/router/kernel"].T  # [E, H]
-            t[f"{q}.mlp.experts.gate_up_proj"] = np.concatenate([gate, up], axis=2).transpose(0, 2, 1)  # [E, 2I, H]
-            t[f"{q}.mlp.experts.down_proj"] = flat[f"{p}/mlp/experts/down_proj"].transpose(0, 2, 1)  # [E, H, I]
-        else:
-            for n in ("gate", "up", "down"):
-                t[f"{q}.mlp.{n}_proj.weight"] = flat[f"{p}/mlp/{n}_proj/kernel"].T
-    return {k: torch.from_numpy(np.array(v, copy=True)) for k, v in t.items()}
+    """The Hugging Face state dict of the flax leaves (the oracle's, ``tests.helpers.hf_state``) as torch tensors."""
+    return {k: torch.from_numpy(np.array(v, copy=True)) for k, v in hf_state(flat, cfg).items()}
 
 
 def _config(**kw) -> MoeConfig:
@@ -103,10 +85,10 @@ def test_bad_moe_config(kw, match):
 
 
 def test_tiny_moe_config_loads_and_docstrings_run():
-    from jreshard.nn import config, decoder
+    from jreshard.nn import config
 
     cfg = MoeConfig.load("qwen3-moe-tiny")
     assert cfg.num_experts == 8 and cfg.qk_norm
-    for module in (config, decoder):
-        result = doctest.testmod(module)
-        assert result.attempted > 0 and result.failed == 0
+    # jreshard.nn.decoder's examples run once, collected by pytest's --doctest-modules.
+    result = doctest.testmod(config)
+    assert result.attempted > 0 and result.failed == 0

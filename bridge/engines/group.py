@@ -17,12 +17,9 @@ import datetime
 import json
 from typing import Any
 
-import torch
 import torch.distributed as dist
-from torch.distributed import distributed_c10d as c10d
 
-from bridge.wire import alarm as _alarm
-from bridge.wire.group import all_gather_bytes
+from bridge.wire.group import all_gather_bytes, forget_gloo_group, gloo_group
 from jreshard.core.args import check_int
 from jreshard.core.execution import ExecutionStats
 
@@ -83,17 +80,8 @@ def open_group(host: str, port: int, rank: int, world_size: int, *, timeout: flo
     delta = datetime.timedelta(seconds=timeout)
     if store is None:
         store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=delta, wait_for_workers=False)
-    prefix = dist.PrefixStore(f"{name}/", store)
-    pg = dist.ProcessGroup(prefix, rank, world_size)
-    gloo = dist.ProcessGroupGloo(prefix, rank, world_size, timeout=delta)
-    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-    gloo._set_sequence_number_for_group()
-    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
-    # The bridge names peers by their rank in this group; registering an identity map lets
-    # torch.distributed's P2POp and get_process_group_ranks translate them without a default group.
-    c10d._world.pg_group_ranks[pg] = {r: r for r in range(world_size)}
+    pg = gloo_group(dist.PrefixStore(f"{name}/", store), rank, world_size, timeout)
     _STORES[pg] = store  # rank 0's store server lives as long as the group
-    _alarm.register_store(pg, prefix)  # a sync on this group can raise its alarm (bridge.wire.alarm)
     return pg
 
 
@@ -101,9 +89,8 @@ def close_group(pg: dist.ProcessGroup | None) -> None:
     """Forgets a group from ``open_group`` and shuts its connections down (best effort)."""
     if pg is None:
         return
-    c10d._world.pg_group_ranks.pop(pg, None)
+    forget_gloo_group(pg)
     _STORES.pop(pg, None)
-    _alarm.forget_store(pg)
     with contextlib.suppress(RuntimeError, AttributeError):  # already broken by a dead peer, or an older torch
         pg.shutdown()
 

@@ -33,10 +33,7 @@ from jreshard.core.domains import Domains
 from jreshard.core.dtypes import numpy_dtype
 from jreshard.core.hierarchical import check_hierarchical
 from jreshard.core.planner import plan_layouts
-from jreshard.core.schedule import ALIGN, aligned, ordered_buckets, pack
-
-# TODO(lead): bridge/wire/receiver.py imports this name; point it at jreshard.core.schedule.aligned, then delete.
-_aligned = aligned
+from jreshard.core.schedule import ALIGN, ordered_buckets, pack
 
 __all__ = ["ParamMove", "Piece", "Message", "Segment", "BridgePlan", "FORMAT_VERSION", "WIRE_DTYPES",
            "STAGE2_LAG", "bridge_domains"]

@@ -8,12 +8,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 from bridge.errors import SyncError
 from bridge.plan.bridge_plan import BridgePlan
+from bridge.wire import alarm
 from jreshard.core.args import check_int, check_seconds
 
-__all__ = ["init_group", "rebuild_group", "group_ranks", "check_plan_and_rank", "all_gather_bytes"]
+__all__ = ["init_group", "rebuild_group", "group_ranks", "check_plan_and_rank", "all_gather_bytes", "gloo_group",
+           "forget_gloo_group"]
 
 
 def init_group(rank: int, world_size: int, *, port: int, host: str = "127.0.0.1", backend: str = "gloo",
@@ -99,3 +102,27 @@ def all_gather_bytes(data: bytes, group: Any, size: int, wait: Callable[[Any], N
     out = [torch.empty_like(padded) for _ in range(size)]
     wait(dist.all_gather(out, padded, group=group, async_op=True))
     return [t[:n].numpy().tobytes() for t, n in zip(out, lengths, strict=True)]
+
+
+def gloo_group(store: Any, rank: int, size: int, timeout: float) -> dist.ProcessGroup:
+    """Rank ``rank``'s gloo group of ``size`` ranks over ``store``, outside torch.distributed's default group.
+
+    The group is registered with an identity rank map, so that point-to-point calls and
+    ``get_process_group_ranks`` name peers by their rank in it without a default group, and its store
+    is given to the sync's alarm (``bridge.wire.alarm.register_store``).
+    """
+    delta = datetime.timedelta(seconds=timeout)
+    pg = dist.ProcessGroup(store, rank, size)
+    gloo = dist.ProcessGroupGloo(store, rank, size, timeout=delta)
+    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    gloo._set_sequence_number_for_group()
+    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+    c10d._world.pg_group_ranks[pg] = {r: r for r in range(size)}
+    alarm.register_store(pg, store)
+    return pg
+
+
+def forget_gloo_group(pg: dist.ProcessGroup) -> None:
+    """Undoes ``gloo_group``'s registrations (its rank map and its alarm store)."""
+    c10d._world.pg_group_ranks.pop(pg, None)
+    alarm.forget_store(pg)

@@ -22,7 +22,6 @@ alarm works in-process too).
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import queue
 import threading
 import time
@@ -31,11 +30,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed import distributed_c10d as c10d
 
 from bridge.errors import SyncError
-from bridge.wire import alarm as _alarm
 from bridge.wire.alarm import SyncAlarm, wait_failure
+from bridge.wire.group import forget_gloo_group, gloo_group
 from bridge.wire.transport import Kind, Op
 from jreshard.core.args import check_int, check_seconds
 
@@ -166,24 +164,6 @@ class QueueTransport:
         self._slow = None
 
 
-def local_group(store: Any, rank: int, size: int, timeout: float) -> dist.ProcessGroup:
-    """Rank ``rank``'s gloo group of ``size`` ranks over ``store``, registered as ``open_group`` does."""
-    delta = datetime.timedelta(seconds=timeout)
-    pg = dist.ProcessGroup(store, rank, size)
-    gloo = dist.ProcessGroupGloo(store, rank, size, timeout=delta)
-    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-    gloo._set_sequence_number_for_group()
-    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
-    c10d._world.pg_group_ranks[pg] = {r: r for r in range(size)}
-    _alarm.register_store(pg, store)
-    return pg
-
-
-def drop_group(pg: dist.ProcessGroup) -> None:
-    c10d._world.pg_group_ranks.pop(pg, None)
-    _alarm.forget_store(pg)
-
-
 def run_ranks(size: int, fn: Callable[[int, dist.ProcessGroup], Any], *, timeout: float = 60.0,
               group_timeout: float = 15.0) -> list[Any]:
     """``fn(rank, group)`` for every rank, each in a thread with a group of its own; returns what each
@@ -194,7 +174,7 @@ def run_ranks(size: int, fn: Callable[[int, dist.ProcessGroup], Any], *, timeout
 
     def one(rank: int) -> None:
         try:
-            groups[rank] = local_group(dist.PrefixStore("sync/", store), rank, size, group_timeout)
+            groups[rank] = gloo_group(dist.PrefixStore("sync/", store), rank, size, group_timeout)
             out[rank] = fn(rank, groups[rank])
         except BaseException as e:  # noqa: BLE001 (handed to the test)
             out[rank] = e
@@ -207,7 +187,7 @@ def run_ranks(size: int, fn: Callable[[int, dist.ProcessGroup], Any], *, timeout
     alive = [r for r, t in enumerate(threads) if t.is_alive()]
     for pg in groups:
         if pg is not None:
-            drop_group(pg)
+            forget_gloo_group(pg)
     if alive:
         raise TimeoutError(f"ranks {alive} still run after {timeout} s")
     return out

@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 import jax.numpy as jnp  # noqa: E402
 
 from jreshard.nn import LlamaConfig, init_params, logits, make_optimizer, param_shapes, train_step  # noqa: E402
-from tests.bridge import _common as C  # noqa: E402
+from tests.helpers import hf_state  # noqa: E402
 
 
 def _flat(params) -> dict[str, np.ndarray]:
@@ -22,14 +22,8 @@ def _flat(params) -> dict[str, np.ndarray]:
 
 
 def _hf_state(flat: dict[str, np.ndarray], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
-    ranks = C.vllm_shards(flat, cfg, 1, fused=False, vocab_pad=1)  # TP1: the full Hugging Face tensors
-    state = {k: torch.from_numpy(np.array(v, copy=True)) for k, v in ranks[0].items()}
-    for i in range(cfg.num_hidden_layers):
-        if cfg.qk_norm:
-            for n in "qk":
-                state[f"model.layers.{i}.self_attn.{n}_norm.weight"] = torch.from_numpy(
-                    flat[f"layers_{i}/attn/{n}_norm/scale"].copy())
-    return state  # tied: lm_head.weight is the embedding (vllm_shards fills it so)
+    """The Hugging Face state dict of the flax leaves (the oracle's, ``tests.helpers.hf_state``) as torch tensors."""
+    return {k: torch.from_numpy(np.array(v, copy=True)) for k, v in hf_state(flat, cfg).items()}
 
 
 @pytest.mark.parametrize("qk_norm,tied", [(False, False), (True, True)], ids=["llama", "qwen3-tied"])
@@ -52,11 +46,3 @@ def test_logits_match_transformers_after_a_training_step(qk_norm, tied):
         got = hf(torch.tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
     np.testing.assert_allclose(got, np.asarray(logits(cfg, new, tokens)), rtol=1e-5, atol=1e-5)
 
-
-def test_llama_docstring_example():
-    import doctest
-
-    from jreshard.nn import decoder
-
-    result = doctest.testmod(decoder)
-    assert result.attempted > 0 and result.failed == 0
