@@ -8,6 +8,11 @@ inference workers ``T ..``). The group is registered with torch.distributed so t
 its point-to-point calls translate ranks (the bridge's ranks are this group's ranks).
 Small control messages (the handshake's plain-data descriptions, the workers'
 reports) travel as JSON bytes over ``all_gather``.
+
+Only the job's processes get in: every member holds the job's secret and proves it when it
+joins (``bridge.engines.membership``), and the store and gloo listen on the interface of the
+address the group is opened on, never on every interface (``host="127.0.0.1"`` keeps the whole
+group on this machine).
 """
 
 from __future__ import annotations
@@ -15,15 +20,18 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import socket
 from typing import Any
 
 import torch.distributed as dist
 
+from bridge.engines.membership import check_secret, claim_rank, group_prefix, open_verifier, prove_members
 from bridge.wire.group import all_gather_bytes, forget_gloo_group, gloo_group
 from jreshard.core.args import check_int
 from jreshard.core.execution import ExecutionStats
 
-__all__ = ["CLOSED_KEY", "host_store", "owner_open", "open_group", "close_group", "all_gather_json", "wire_seconds"]
+__all__ = ["CLOSED_KEY", "host_store", "local_address", "owner_open", "open_group", "close_group", "all_gather_json",
+           "wire_seconds"]
 
 _STORES: dict[dist.ProcessGroup, dist.Store] = {}
 
@@ -49,39 +57,91 @@ def wire_seconds(stats: ExecutionStats) -> dict[str, float]:
 def host_store(host: str, port: int, world_size: int, *, timeout: float) -> dist.TCPStore:
     """The store server a sync group's rank 0 hosts on ``host:port`` (binds the port until dropped).
 
-    Trainer rank 0 keeps one for as long as it syncs and opens every group on it under a new
-    name (``open_group(..., store=...)``): a group that failed may live on in a traceback until
+    It listens on ``host``'s interface only (a socket bound here, given to the store). Trainer
+    rank 0 keeps one for as long as it syncs and opens every group on it under a new name
+    (``open_group(..., store=...)``): a group that failed may live on in a traceback until
     Python's garbage collector runs, but it never holds the port the next group needs.
     """
     port = check_int("port", port, maximum=65535)
     world_size = check_int("world_size", world_size, minimum=1)
     try:
-        return dist.TCPStore(host, port, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout),
-                             wait_for_workers=False)
-    except RuntimeError as e:  # torch's DistNetworkError: the port is taken
+        listener = _listen(host, port)
+    except OSError as e:
         raise ValueError(f"port {port} on {host} cannot be bound ({e}); another TrainerSync (or another process) "
                          "holds it: close() that one, or give another port.") from None
+    bound = listener.getsockname()[1]
+    try:
+        return dist.TCPStore(host, bound, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout),
+                             wait_for_workers=False, master_listen_fd=listener.fileno(), use_libuv=True)
+    except BaseException:
+        listener.close()
+        raise
+    finally:
+        listener.detach()  # the store owns the descriptor now (a no-op after close)
 
 
-def open_group(host: str, port: int, rank: int, world_size: int, *, timeout: float,
+def _listen(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``host:port`` only (``port`` 0: a free one)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    s = socket.socket(family, kind, proto)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(address)
+        s.listen(socket.SOMAXCONN)
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
+def local_address(host: str, port: int) -> str:
+    """The address of this machine's interface that reaches ``host:port``: where its gloo sockets listen.
+
+    A UDP socket connected to ``host`` (no packet is sent) learns the source address the
+    routing table gives: ``127.0.0.1`` for a group on this machine, the right interface for a
+    trainer elsewhere.
+    """
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(address)
+        return str(s.getsockname()[0])
+
+
+def open_group(host: str, port: int, rank: int, world_size: int, *, secret: bytes | str, timeout: float,
                name: str = "jreshard", store: dist.Store | None = None) -> dist.ProcessGroup:
-    """Joins (rank 0: hosts) a gloo group of ``world_size`` ranks on ``host:port``.
+    """Joins (rank 0: hosts) a gloo group of ``world_size`` ranks on ``host:port``, for holders of ``secret``.
 
     Blocks until every rank joined or ``timeout`` seconds passed. The group is not the
     default group: pass it as ``group=`` to the bridge's ``Sender``/``Receiver``. ``store``:
     the store to open the group on (rank 0's from ``host_store``, kept across groups; each
-    group then needs a ``name`` of its own); default: a new one (rank 0 hosts it).
+    group then needs a ``name`` of its own); default: a new one (rank 0 hosts it). ``secret``:
+    the job's secret, the same on every rank (``bridge.engines.membership``).
+
+    Raises:
+      MembershipError: this process's secret is not rank 0's, its rank is taken, or a member
+        could not prove the secret once the group formed (every rank raises; nothing was sent).
+      SyncError: a rank did not join within ``timeout``.
     """
     rank = check_int("rank", rank)
     world_size = check_int("world_size", world_size, minimum=1)
     port = check_int("port", port, maximum=65535)
+    secret = check_secret("secret", secret)
     if not rank < world_size:
         raise ValueError(f"rank {rank} must be below world_size {world_size}.")
-    delta = datetime.timedelta(seconds=timeout)
     if store is None:
-        store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=delta, wait_for_workers=False)
-    pg = gloo_group(dist.PrefixStore(f"{name}/", store), rank, world_size, timeout)
+        store = (host_store(host, port, world_size, timeout=timeout) if rank == 0 else
+                 dist.TCPStore(host, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout)))
+    where = f"{host}:{store.port if isinstance(store, dist.TCPStore) else port}"
+    open_verifier(store, secret, name, rank, where)
+    claim_rank(store, secret, name, rank)
+    pg = gloo_group(dist.PrefixStore(group_prefix(secret, name) + "gloo/", store), rank, world_size, timeout,
+                    bind=local_address(host, port))
     _STORES[pg] = store  # rank 0's store server lives as long as the group
+    try:
+        prove_members(pg, secret, name, rank, world_size, lambda work: _wait(work, timeout, "the members' proofs"))
+    except BaseException:
+        close_group(pg)
+        raise
     return pg
 
 

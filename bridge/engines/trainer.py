@@ -28,6 +28,7 @@ from typing import Any, Protocol
 from bridge.engines.agree import agree
 from bridge.engines.group import CLOSED_KEY, all_gather_json, close_group, host_store, open_group, wire_seconds
 from bridge.engines.hello import trainer_hello
+from bridge.engines.membership import SECRET_ENV, check_secret, env_secret, new_secret
 from bridge.engines.worker import GroupInfo
 from bridge.errors import PlanMismatchError, SyncError
 from bridge.plan.bridge_plan import BridgePlan
@@ -100,6 +101,12 @@ class TrainerSync:
       bucket_bytes: the most bytes one rank sends or receives per bucket.
       timeout: seconds any single wait for data may take.
       ready_timeout: seconds to wait for every rank to join the group or a sync.
+      secret: the job's secret (bytes, or a str taken as UTF-8; at least 16 bytes), the same on every
+        trainer rank: every member of a sync group proves it when it joins, and the engine's workers get
+        it from trainer rank 0's control call (``EngineControl.connect``). Default: the environment
+        variable ``JRESHARD_SYNC_SECRET``; without it, one trainer makes a new one, and several trainers
+        under ``jax.distributed`` get rank 0's new one through jax's key-value store (the trainers'
+        coordination service). Never shown in a ``repr`` or an error.
       checksum: the ``Sender`` checksums every bucket (off by default; byte and segment
         counts are always checked).
     """
@@ -107,6 +114,7 @@ class TrainerSync:
     def __init__(self, recipe: Recipe, *, workers: int, control: EngineControl | None = None,
                  rank: int | None = None, trainers: int | None = None, host: str = "127.0.0.1", port: int,
                  bucket_bytes: int = 16 << 20, timeout: float = 60.0, ready_timeout: float = 600.0,
+                 secret: bytes | str | None = None,
                  checksum: bool = False) -> None:
         import jax
 
@@ -120,11 +128,13 @@ class TrainerSync:
         if self.rank == 0 and control is None:
             raise TypeError("trainer rank 0 drives the engine: give control (the engine's EngineControl).")
         self.recipe, self.control = recipe, control if self.rank == 0 else None
-        self.info = GroupInfo(check_name("host", host, "the trainer's address"), check_int("port", port),
-                              self.trainers, self.trainers + self.workers, check_seconds("timeout", timeout),
-                              check_seconds("ready_timeout", ready_timeout))
+        args = (check_name("host", host, "the trainer's address"), check_int("port", port), self.trainers,
+                self.trainers + self.workers, check_seconds("timeout", timeout),
+                check_seconds("ready_timeout", ready_timeout))
         self.bucket_bytes = check_int("bucket_bytes", bucket_bytes, minimum=1)
+        secret = None if secret is None else check_secret("secret", secret)
         self.checksum = check_flag("checksum", checksum)
+        self.info = GroupInfo(*args, secret=_job_secret(secret, self.rank, self.trainers, port, ready_timeout))
         self.group: Any = None
         self.plan: BridgePlan | None = None
         self.fp8: Fp8ParamMap | None = None  # the agreed FP8 sync when the engine is FP8
@@ -154,8 +164,8 @@ class TrainerSync:
         joined = None if self.control is None else self._pool.submit(self.control.connect, info)
         hello = trainer_hello(self.rank, source=source, recipe=self.recipe, bucket_bytes=self.bucket_bytes)
         try:
-            self.group = open_group(info.host, info.port, self.rank, info.world_size, timeout=info.ready_timeout,
-                                    name=info.name, store=self._store)
+            self.group = open_group(info.host, info.port, self.rank, info.world_size, secret=info.secret,
+                                    timeout=info.ready_timeout, name=info.name, store=self._store)
             hellos = all_gather_json(hello, self.group, timeout=info.ready_timeout, what="the hello")
             mismatch = None
             try:
@@ -244,6 +254,40 @@ class TrainerSync:
         """Closes this sync's group (after a failure); the store and its port stay for the next one."""
         group, self.group, self.sender = self.group, None, None
         close_group(group)
+
+
+def _job_secret(secret: bytes | None, rank: int, trainers: int, port: int, timeout: float) -> bytes:
+    """The secret every member of this job's sync groups proves (see ``TrainerSync``'s ``secret``)."""
+    if secret is not None:
+        return secret
+    from_env = env_secret()
+    if from_env is not None:
+        return from_env
+    if trainers == 1:
+        return new_secret()
+    import jax
+    from jax._src import distributed  # the coordination service's client: no public API exposes it
+
+    client = distributed.global_state.client
+    if client is None or jax.process_count() != trainers:
+        raise ValueError(f"trainers={trainers} need one secret between them: pass secret= (the same bytes on every "
+                         f"trainer rank) or set {SECRET_ENV} on every trainer rank, or run the trainers under "
+                         "jax.distributed.initialize(...) (trainer rank 0 then shares a new one).")
+    _SHARED[port] = n = _SHARED.get(port, 0) + 1  # every rank makes its syncs in the same order
+    key = f"jreshard/sync_secret/{port}/{n}"
+    if rank == 0:
+        made = new_secret()
+        client.key_value_set_bytes(key, made)
+        return made
+    try:
+        return bytes(client.blocking_key_value_get_bytes(key, int(timeout * 1000)))
+    except Exception as e:  # jax's deadline or a lost coordinator
+        raise SyncError(f"trainer rank {rank} did not get trainer rank 0's secret from jax.distributed's key-value "
+                        f"store within {timeout:g} s ({type(e).__name__}): make the sync on every trainer rank, "
+                        f"or pass secret= (or set {SECRET_ENV}) on every rank.") from None
+
+
+_SHARED: dict[int, int] = {}  # per port, the secrets shared so far through jax's key-value store
 
 
 def _raise_worker_errors(rows: list[dict[str, Any]], what: str) -> None:

@@ -35,6 +35,7 @@ import torch
 
 from bridge.engines.agree import agree
 from bridge.engines.group import all_gather_json, close_group, open_group, owner_open, wire_seconds
+from bridge.engines.membership import check_secret
 from bridge.errors import SyncError
 from bridge.plan.bridge_plan import BridgePlan
 from bridge.wire.receiver import Receiver
@@ -73,6 +74,9 @@ class GroupInfo:
       timeout: seconds any single wait for data may take.
       ready_timeout: seconds to wait for every rank to join the group or a sync.
       name: the group's name in the store.
+      secret: the job's secret (bytes, or a str taken as UTF-8; at least 16 bytes): every rank proves
+        it when it joins (``bridge.engines.membership``). Keyword only; never shown in ``repr``.
+        A control plane carries it as hex (``secret.hex()``).
     """
 
     host: str
@@ -82,8 +86,10 @@ class GroupInfo:
     timeout: float = 60.0
     ready_timeout: float = 600.0
     name: str = "jreshard"
+    secret: bytes = dataclasses.field(kw_only=True, repr=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "secret", check_secret("secret", self.secret))
         check_name("host", self.host, "the trainer's address")
         check_int("port", self.port, maximum=65535)
         check_int("trainers", self.trainers, minimum=1)
@@ -183,8 +189,8 @@ class WorkerSync:
         self.close()
         self._info, self.rank = info, int(hello["rank"])
         try:
-            self.group = open_group(info.host, info.port, self.rank, info.world_size, timeout=info.ready_timeout,
-                                    name=info.name)
+            self.group = open_group(info.host, info.port, self.rank, info.world_size, secret=info.secret,
+                                    timeout=info.ready_timeout, name=info.name)
             hellos = all_gather_json(dict(hello), self.group, timeout=info.ready_timeout, what="the hello")
         except Exception as e:  # the trainers time out waiting for this worker, or failed themselves
             self.fail("joining the sync group", e)
@@ -217,8 +223,8 @@ class WorkerSync:
         log.error("jreshard: rank %d refuses the trainers at %s:%d: %s", rank, info.host, info.port, error)
         group = None
         try:
-            group = open_group(info.host, info.port, rank, info.world_size, timeout=info.ready_timeout,
-                               name=info.name)
+            group = open_group(info.host, info.port, rank, info.world_size, secret=info.secret,
+                               timeout=info.ready_timeout, name=info.name)
             all_gather_json(dict(hello), group, timeout=info.ready_timeout, what="the hello")
             all_gather_json({"rank": rank, "error": error}, group, timeout=info.timeout, what="the hello")
         except Exception as e:  # the new trainers time out, or gave up first

@@ -104,16 +104,23 @@ def all_gather_bytes(data: bytes, group: Any, size: int, wait: Callable[[Any], N
     return [t[:n].numpy().tobytes() for t, n in zip(out, lengths, strict=True)]
 
 
-def gloo_group(store: Any, rank: int, size: int, timeout: float) -> dist.ProcessGroup:
+def gloo_group(store: Any, rank: int, size: int, timeout: float, *, bind: str | None = None) -> dist.ProcessGroup:
     """Rank ``rank``'s gloo group of ``size`` ranks over ``store``, outside torch.distributed's default group.
 
     The group is registered with an identity rank map, so that point-to-point calls and
     ``get_process_group_ranks`` name peers by their rank in it without a default group, and its store
-    is given to the sync's alarm (``bridge.wire.alarm.register_store``).
+    is given to the sync's alarm (``bridge.wire.alarm.register_store``). ``bind``: the address of the
+    interface gloo's sockets listen on (default: gloo's choice, the address this machine's name resolves to).
     """
     delta = datetime.timedelta(seconds=timeout)
     pg = dist.ProcessGroup(store, rank, size)
-    gloo = dist.ProcessGroupGloo(store, rank, size, timeout=delta)
+    if bind is None:
+        gloo = dist.ProcessGroupGloo(store, rank, size, timeout=delta)
+    else:
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stubs lack it
+        options._timeout = delta
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind)]
+        gloo = dist.ProcessGroupGloo(store, rank, size, options)
     pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
     gloo._set_sequence_number_for_group()
     pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)

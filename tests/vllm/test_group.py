@@ -12,6 +12,8 @@ from bridge.wire.alarm import Alarm, store_of
 from bridge.wire.gloo import direct_group
 from bridge.wire.group import group_ranks
 
+SECRET = b"a test's secret of 32 bytes ...."
+
 
 @pytest.fixture
 def no_default_group():
@@ -22,7 +24,7 @@ def no_default_group():
 
 
 def test_a_group_from_open_group_needs_no_default_group(no_default_group):
-    pg = open_group("127.0.0.1", 0, 0, 1, timeout=10)  # port 0: the store picks a free one
+    pg = open_group("127.0.0.1", 0, 0, 1, secret=SECRET, timeout=10)  # port 0: the store picks a free one
     try:
         assert group_ranks(pg) == [0]
         assert all_gather_json({"rank": 0}, pg, timeout=10, what="a test") == [{"rank": 0}]
@@ -33,7 +35,7 @@ def test_a_group_from_open_group_needs_no_default_group(no_default_group):
 def test_a_group_from_open_group_is_posted_to_directly(no_default_group):
     # Outside torch.distributed's registry (dist.get_backend refuses it), still a gloo group: the
     # wire posts to its send/recv, with each peer's rank in the group.
-    pg = open_group("127.0.0.1", 0, 0, 1, timeout=10)
+    pg = open_group("127.0.0.1", 0, 0, 1, secret=SECRET, timeout=10)
     try:
         with pytest.raises(ValueError):
             dist.get_backend(pg)
@@ -43,7 +45,7 @@ def test_a_group_from_open_group_is_posted_to_directly(no_default_group):
 
 
 def test_a_group_from_open_group_has_an_alarm_until_closed(no_default_group):
-    pg = open_group("127.0.0.1", 0, 0, 1, timeout=10)
+    pg = open_group("127.0.0.1", 0, 0, 1, secret=SECRET, timeout=10)
     try:
         store = store_of(pg)
         assert store is not None

@@ -9,7 +9,8 @@ knows: the worker's place and engine params (``vllm_hello``), how new weights en
 live model (``bridge.engines.vllm.model.write_layers``) and vLLM's four phases:
 
 1. ``init_weight_transfer_engine``: join a new gloo group with the trainer ranks (a
-   ``TCPStore`` on the trainer's address; never vLLM's own group), exchange hellos (the
+   ``TCPStore`` on the trainer's address; never vLLM's own group), proving the job's secret
+   that the init info carries (``bridge.engines.membership``), exchange hellos (the
    trainer's leaves and recipe; this worker's TP rank, replica and engine params from the
    live model, and its FP8 block format when the model is block-FP8), and agree on the plan.
    A mismatch is refused on every rank before any byte moves.
@@ -47,7 +48,11 @@ log = logging.getLogger("bridge")
 
 @dataclasses.dataclass
 class JReshardInitInfo(WeightTransferInitInfo):
-    """Where the trainer's group is and how many ranks it has (``bridge.engines.worker.GroupInfo`` in vLLM's form)."""
+    """Where the trainer's group is and how many ranks it has (``bridge.engines.worker.GroupInfo`` in vLLM's form).
+
+    ``secret`` is the job's secret as hex (``GroupInfo.secret.hex()``, what ``VLLMWeightSync`` sends); it
+    is never shown in a ``repr``.
+    """
 
     master_address: str
     master_port: int
@@ -56,10 +61,21 @@ class JReshardInitInfo(WeightTransferInitInfo):
     timeout: float = 60.0
     ready_timeout: float = 600.0
     group_name: str = "jreshard"
+    secret: str = dataclasses.field(default="", repr=False)
 
     def group_info(self) -> GroupInfo:
+        """The ``GroupInfo`` these fields name.
+
+        Raises:
+          ValueError: ``secret`` is not hex, or is missing (a trainer older than this worker).
+        """
+        try:
+            secret = bytes.fromhex(self.secret)
+        except (TypeError, ValueError):
+            raise ValueError("init_info's secret must be the job's secret as hex, as VLLMWeightSync sends it; got "
+                             f"a {type(self.secret).__name__} that is not hex (its value is not shown).") from None
         return GroupInfo(self.master_address, self.master_port, self.trainer_world_size, self.world_size,
-                         self.timeout, self.ready_timeout, self.group_name)
+                         self.timeout, self.ready_timeout, self.group_name, secret=secret)
 
 
 @dataclasses.dataclass

@@ -46,7 +46,7 @@ class ClientControl:
         self.client.init_weight_transfer_engine({
             "master_address": info.host, "master_port": info.port, "trainer_world_size": info.trainers,
             "world_size": info.world_size, "timeout": info.timeout, "ready_timeout": info.ready_timeout,
-            "group_name": info.name})
+            "group_name": info.name, "secret": info.secret.hex()})
 
     def begin_update(self) -> None:
         if hasattr(self.client, "pause_generation"):
@@ -83,7 +83,9 @@ class VLLMWeightSync(TrainerSync):
       recipe: how the trainer's leaves become vLLM params (``Recipe.llama(config)``, ...).
       workers: the number of vLLM workers (TP x DP of the engine).
       client: the engine's weight-sync client; required on trainer rank 0, ignored elsewhere.
-      rank, trainers, host, port, bucket_bytes, timeout, ready_timeout, checksum: as ``TrainerSync``'s.
+      rank, trainers, host, port, bucket_bytes, timeout, ready_timeout, secret, checksum: as ``TrainerSync``'s.
+        The secret reaches the workers in the init info of ``init_weight_transfer_engine`` (as hex):
+        keep that call on a channel only the job can read (the process itself, a private network, HTTPS).
 
     After a failed sync, call ``sync`` again: it reconnects at once on the same port. One object
     holds an engine's workers until its ``close()``; another one (another port) is refused until then.
@@ -96,6 +98,7 @@ class VLLMWeightSync(TrainerSync):
 
     def __init__(self, recipe: Recipe, *, workers: int, client: Any = None, rank: int | None = None,
                  trainers: int | None = None, host: str = "127.0.0.1", port: int, bucket_bytes: int = 16 << 20,
+                 secret: bytes | str | None = None,
                  timeout: float = 60.0, ready_timeout: float = 600.0, checksum: bool = False) -> None:
         if rank is None:
             import jax
@@ -104,4 +107,5 @@ class VLLMWeightSync(TrainerSync):
         control = ClientControl(client) if rank == 0 else None
         super().__init__(recipe, workers=workers, control=control, rank=rank, trainers=trainers, host=host,
                          port=port, bucket_bytes=bucket_bytes, timeout=timeout, ready_timeout=ready_timeout,
+                         secret=secret,
                          checksum=checksum)
