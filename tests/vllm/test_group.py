@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -71,3 +73,32 @@ def test_an_unregistered_group_is_refused_before_any_wait(no_default_group):
 def test_no_group_and_no_default_group(no_default_group):
     with pytest.raises(SyncError, match="no group was given; pass group="):
         group_ranks(None)
+
+
+def test_the_secret_reaches_the_workers_through_the_init_call_as_hex_and_is_never_shown():
+    pytest.importorskip("vllm")
+    from bridge.engines.vllm.engine import JReshardInitInfo
+    from bridge.engines.vllm.trainer import ClientControl
+    from bridge.engines.worker import GroupInfo
+
+    class Client:
+        def __getattr__(self, name):
+            return lambda *args: self.calls.append((name, args))
+
+        def __init__(self):
+            self.calls = []
+
+    client = Client()
+    info = GroupInfo("10.0.0.1", 29600, 2, 4, 30.0, 120.0, "jreshard/3", secret=SECRET)
+    ClientControl(client).connect(info)
+    (method, (init_info,)), = client.calls
+    assert method == "init_weight_transfer_engine"
+    json.dumps(init_info)  # plain data: any control plane (HTTP included) carries it
+    got = JReshardInitInfo(**init_info)
+    assert got.group_info() == info and got.group_info().secret == SECRET
+    for shown in (repr(info), repr(got)):
+        assert SECRET.hex() not in shown and "secret" not in shown, shown
+    with pytest.raises(ValueError, match="secret must be the job's secret as hex.*not hex"):
+        JReshardInitInfo(**{**init_info, "secret": "not hex"}).group_info()
+    with pytest.raises(ValueError, match="secret must hold at least 16 bytes"):
+        JReshardInitInfo(**{**init_info, "secret": ""}).group_info()  # a trainer that sends none
