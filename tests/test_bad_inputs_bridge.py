@@ -259,6 +259,53 @@ for who, call in [("Sender.sync", lambda g: sender().sync(jax_params(), version=
     row(f"{who} group not registered", lambda call=call: call("x"), ValueError, "group 'x' is not registered")
 
 
+# --- the job's secret (TrainerSync, GroupInfo, open_group): its value is never shown
+def trainer_sync(**kw):
+    from bridge.engines.trainer import TrainerSync
+    from bridge.recipes import Recipe
+    from jreshard.nn import LlamaConfig
+
+    return TrainerSync(Recipe.llama(LlamaConfig.load("llama-tiny")), **{
+        "workers": 1, "control": object(), "rank": 0, "trainers": 1, "port": 29999, **kw})
+
+
+def group_info(secret):
+    from bridge.engines.worker import GroupInfo
+
+    return GroupInfo("127.0.0.1", 29999, 1, 2, secret=secret)
+
+
+def open_group(secret):
+    from bridge.engines.group import open_group
+
+    return open_group("127.0.0.1", 29999, 1, 2, secret=secret, timeout=1)
+
+
+for what, call in [("TrainerSync", lambda s: trainer_sync(secret=s)), ("GroupInfo", group_info),
+                   ("open_group", open_group)]:
+    for name, secret, exc, pat in [
+        ("int", 1234, TypeError, "secret must be bytes or str .*got int; make one with secrets.token_bytes"),
+        ("list", [1, 2], TypeError, "secret must be bytes or str .*got list"),
+        ("empty", b"", ValueError, "secret must hold at least 16 bytes .* got 0 bytes"),
+        ("short str", "hunter2", ValueError, r"secret must hold at least 16 bytes .* got 7 bytes \(its value is not"),
+    ]:
+        row(f"{what} secret {name}", lambda call=call, secret=secret: call(secret), exc, pat)
+
+
+def without_env_secret(fn):
+    from unittest import mock
+
+    from bridge.engines.membership import SECRET_ENV
+
+    with mock.patch.dict("os.environ", {SECRET_ENV: ""}):
+        return fn()
+
+
+row("TrainerSync secret None on two trainers without jax.distributed",
+    lambda: without_env_secret(lambda: trainer_sync(trainers=2)), ValueError,
+    "trainers=2 need one secret between them: pass secret=")
+
+
 def test_numpy_ints_and_bools_pass_where_ints_and_bools_do():
     rule = R("w", "x", dim=np.int64(0), pad_to=np.int32(2), part=np.int8(1))
     heads = R("w", "x", dim=0, heads=np.int64(2), transpose=(np.int64(1), 0))
