@@ -44,24 +44,35 @@ import numpy as np
 
 from jreshard.core.layout import Layout
 from jreshard.core.mesh import Mesh
-from jreshard.core.planner import plan
+from jreshard.fleet.classes import class_rows, classes
 from jreshard.fleet.hardware import Topology
-from jreshard.fleet.traffic import Prediction, Traffic, check_pair, predict, predict_plan
+from jreshard.fleet.traffic import Prediction, Traffic, check_pair, predict, rows_traffic
 
 __all__ = ["gather_broadcast", "pipelined_tree", "flat_direct"]
 
 
-def _roots(src: Mapping[str, Layout], names: list[str]) -> dict[str, Layout]:
-    meshes: dict[int, Mesh] = {}
-    out = {}
-    for n in names:
-        s = src[n]
-        root = s.mesh.device_ids[0]
-        mesh = meshes.get(root)
-        if mesh is None:
-            mesh = meshes[root] = Mesh([root], ("root",))
-        out[n] = Layout(s.shape, mesh, (), s.dtype)
-    return out
+def _root_layout(lay: Layout, meshes: dict[int, Mesh]) -> Layout:
+    """``lay``'s tensor whole on the first device of its mesh (one Mesh per root)."""
+    root = lay.mesh.device_ids[0]
+    mesh = meshes.get(root)
+    if mesh is None:
+        mesh = meshes[root] = Mesh([root], ("root",))
+    return Layout(lay.shape, mesh, (), lay.dtype)
+
+
+def _rider_bytes(names: list[str], dst: Mapping[str, Layout], riders: Mapping[str, str]) -> np.ndarray:
+    """Per tensor of ``names``, the bytes of the riders its collective carries."""
+    if not riders:
+        return np.zeros(len(names))
+    extra: dict[str, int] = {}
+    for rider, host in riders.items():
+        extra[host] = extra.get(host, 0) + dst[rider].nbytes
+    return np.array([extra.get(n, 0) for n in names], dtype=float)
+
+
+def _holders(lay: Layout) -> np.ndarray:
+    """The devices of ``lay``'s mesh that hold a non-empty shard."""
+    return np.array([d for d in lay.mesh.device_ids if math.prod(lay.shard_shape(d)) > 0], np.int64)
 
 
 def pipelined_tree(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology, *,
@@ -75,33 +86,34 @@ def pipelined_tree(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: T
     """
     check_pair(src, dst)
     riders = riders or {}
-    names = sorted(n for n in src if n not in riders)
-    roots = _roots(src, names)
-    gather = plan({n: src[n] for n in names}, roots, balance=False)
+    k = classes(src, dst, sorted(n for n in src if n not in riders))
+    meshes: dict[int, Mesh] = {}
+    roots = [_root_layout(s, meshes) for s, _ in k.pairs]
     traffic = Traffic.zeros(0)
-    s, d, nb, moves = gather.move_arrays()
-    traffic.add_edges(s, d, nb, moves, topo)  # one message per piece per tensor
+    traffic.add_edges(*class_rows([(s, r) for (s, _), r in zip(k.pairs, roots, strict=True)], k.counts),
+                      topo)  # one message per piece per tensor
     first = predict(traffic, topo)
 
     # Broadcast: group tensors by destination mesh and spec, build each group's chain.
     bcast = Traffic.zeros(0)
-    groups: dict[tuple, list[int]] = {}
-    for t, n in enumerate(names):
-        lay = dst[n]
-        groups.setdefault((lay.mesh, lay.dim_axes, lay.shape), []).append(t)
-    sizes = np.array([src[n].size * dst[n].itemsize for n in names], dtype=float)
-    extra: dict[str, int] = {}
-    for rider, host in riders.items():
-        extra[host] = extra.get(host, 0) + dst[rider].nbytes
-    sizes += np.array([extra.get(n, 0) for n in names], dtype=float)
-    root_ids = np.array([roots[n].mesh.device_ids[0] for n in names], dtype=np.int64)
-    for ts in groups.values():
-        lay = dst[names[ts[0]]]
-        holders = np.array([d for d in lay.mesh.device_ids if math.prod(lay.shard_shape(d)) > 0], np.int64)
-        ts_a = np.array(ts, np.int64)
+    keys: dict[tuple, int] = {}
+    reps: list[Layout] = []  # the destination layout of each group
+    group_of = np.empty(len(k.pairs), np.int64)
+    for c, (_, d) in enumerate(k.pairs):
+        g = group_of[c] = keys.setdefault((d.mesh, d.dim_axes, d.shape), len(reps))
+        if g == len(reps):
+            reps.append(d)
+    by_group = group_of[k.of]
+    order = np.argsort(by_group, kind="stable")  # each group's tensors in name order
+    bounds = np.searchsorted(by_group[order], np.arange(len(reps) + 1))
+    sizes = k.per_tensor(s.size * d.itemsize for s, d in k.pairs) + _rider_bytes(k.names, dst, riders)
+    root_ids = k.per_tensor(r.mesh.device_ids[0] for r in roots).astype(np.int64)
+    for g, lay in enumerate(reps):
+        ts_a = order[bounds[g]:bounds[g + 1]]
+        holders = _holders(lay)
         dom = topo.domain(holders)
-        order = np.lexsort((holders, dom))
-        holders, dom = holders[order], dom[order]
+        o = np.lexsort((holders, dom))
+        holders, dom = holders[o], dom[o]
         prev = root_ids[ts_a]
         b = sizes[ts_a]
         for dm in np.unique(dom):
@@ -115,15 +127,6 @@ def pipelined_tree(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: T
                                 np.ones(len(ts_a) * (n_m - 1)), topo)
             prev = chain[:, -1]
     return first + predict(bcast, topo)
-
-
-def _bucket_sizes(src: Mapping[str, Layout], dst: Mapping[str, Layout], names: list[str],
-                  riders: Mapping[str, str]) -> np.ndarray:
-    """Bytes each tensor adds to the broadcast: its elements in the delivered dtype, plus its riders'."""
-    extra: dict[str, int] = {}
-    for rider, host in riders.items():
-        extra[host] = extra.get(host, 0) + dst[rider].nbytes
-    return np.array([src[n].size * dst[n].itemsize + extra.get(n, 0) for n in names], dtype=float)
 
 
 def gather_broadcast(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology, *,
@@ -149,37 +152,34 @@ def gather_broadcast(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo:
     """
     check_pair(src, dst)
     riders = riders or {}
-    names = sorted(n for n in src if n not in riders)
-    root = min(min(src[n].mesh.device_ids) for n in src)
+    k = classes(src, dst, sorted(n for n in src if n not in riders))
+    meshes = {id(lay.mesh): lay.mesh for lay in src.values()}
+    root = min(min(m.device_ids) for m in meshes.values())
     mesh = Mesh([root], ("root",))
-    gather = plan({n: src[n] for n in names}, {n: Layout(src[n].shape, mesh, (), src[n].dtype) for n in names},
-                  balance=False)
-    s, d, nb, _ = gather.move_arrays()
+    s, d, nb, _ = class_rows([(a, Layout(a.shape, mesh, (), a.dtype)) for a, _ in k.pairs], k.counts)
     remote = s != d
     s, nb = s[remote], nb[remote].astype(float)
     same = topo.domain(s) == topo.domain(np.full(len(s), root))
     net_in, nvl_in = float(nb[~same].sum()), float(nb[same].sum())
     # One collective per tensor, one after another: the root's links do not overlap across tensors.
     g = net_in / (topo.network_GBps * 1e9) + nvl_in / (topo.nvlink_GBps * 1e9)
-    gathered = sum(1 for n in names if src[n].mesh.device_ids != (root,))
+    gathered = int(k.per_tensor(a.mesh.device_ids != (root,) for a, _ in k.pairs).sum())
     g += topo.latency_us * 1e-6 * gathered
-    sizes = _bucket_sizes(src, dst, names, riders)
+    sizes = k.per_tensor(a.size * b.itemsize for a, b in k.pairs) + _rider_bytes(k.names, dst, riders)
     root_dom = int(topo.domain(np.array([root]))[0])
-    net_b = nvl_b = secs = 0.0
-    hops = 0
-    chains: dict[tuple, tuple[int, int]] = {}
-    for t, n in enumerate(names):
-        lay = dst[n]
+    chains: dict[tuple, tuple[int, int]] = {}  # (devices of the chain, network entries: other domains)
+    for _, lay in k.pairs:
         key = (lay.mesh, lay.dim_axes, lay.shape)
         if key not in chains:
-            holders = np.array([x for x in lay.mesh.device_ids if math.prod(lay.shard_shape(x)) > 0], np.int64)
-            doms = np.unique(topo.domain(holders))
-            chains[key] = (len(holders), len(doms) - int(root_dom in doms))  # network entries: other domains
-        n_holders, entries = chains[key]
-        net_b += sizes[t] * entries
-        nvl_b += sizes[t] * (n_holders - entries)
-        secs += sizes[t] / ((topo.network_GBps if entries else topo.nvlink_GBps) * 1e9)
-        hops = max(hops, n_holders)
+            doms = np.unique(topo.domain(_holders(lay)))
+            chains[key] = (len(_holders(lay)), len(doms) - int(root_dom in doms))
+    chain = [chains[(b.mesh, b.dim_axes, b.shape)] for _, b in k.pairs]
+    n_holders, entries = k.per_tensor(c[0] for c in chain), k.per_tensor(c[1] for c in chain)
+    net_b, nvl_b = float((sizes * entries).sum()), float((sizes * (n_holders - entries)).sum())
+    rate = np.where(entries > 0, topo.network_GBps * 1e9, topo.nvlink_GBps * 1e9)
+    # The broadcasts run one after another: a running sum in name order, as a loop adds them.
+    secs = float(np.cumsum(sizes / rate)[-1]) if len(sizes) else 0.0
+    hops = int(n_holders.max()) if len(sizes) else 0
     buckets = max(1, math.ceil(sizes.sum() / topo.bucket_bytes))
     b = secs + topo.latency_us * 1e-6 * (buckets + hops)  # one launch per bucket, the chain's depth once
     seconds = float(max(g, b) + min(g, b) / buckets if overlap else g + b)
@@ -191,4 +191,6 @@ def gather_broadcast(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo:
 def flat_direct(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology) -> Prediction:
     """Predicted time of sending each missing piece from its first replica (no balancing)."""
     check_pair(src, dst)
-    return predict_plan(plan(dict(src), dict(dst), balance=False), topo)
+    k = classes(src, dst)
+    s, d, nb, _ = class_rows(k.pairs, k.counts)
+    return predict(rows_traffic(s, d, nb, topo), topo)

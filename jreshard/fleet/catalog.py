@@ -33,6 +33,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -223,6 +224,16 @@ def tensors(model: str | ModelConfig, *, experts: str = "separate", mtp: bool = 
     if experts not in _EXPERTS:
         raise ValueError(f"experts must be one of {_EXPERTS}, got {experts!r}.")
     dt = dtype or cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
+    try:
+        return list(_tensors(cfg, experts, mtp, dt))
+    except TypeError:  # a config with a list among its values: not hashable, not cached
+        return list(_tensors.__wrapped__(cfg, experts, mtp, dt))
+
+
+# A scenario reads its model's tensors a few times (checks, both sides' layouts, FP8 costs);
+# TensorInfo is frozen, so the lists share one tuple.
+@functools.lru_cache(maxsize=16)
+def _tensors(cfg: ModelConfig, experts: str, mtp: bool, dt: str) -> tuple[TensorInfo, ...]:
     out: list[TensorInfo] = []
     add = _Adder(out, dt)
     h, v = cfg["hidden_size"], cfg["vocab_size"]
@@ -246,7 +257,7 @@ def tensors(model: str | ModelConfig, *, experts: str = "separate", mtp: bool = 
     add("model.norm.weight", (h,), "replicated")
     if not cfg.get("tie_word_embeddings", False):
         add("lm_head.weight", (v, h), "head")
-    return out
+    return tuple(out)
 
 
 class _Adder:

@@ -51,7 +51,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -72,6 +72,26 @@ def _device_array(devices: Iterable[int], n: int, arg: str) -> np.ndarray:
     if ids.ndim != 1 or len(ids) != n:
         raise ValueError(f"{arg} must list {n} device ids, got {len(ids)}.")
     return ids
+
+
+class _Layouts:
+    """Makes Layouts, one object per distinct (shape, mesh, spec, dtype).
+
+    A model's tensors share a few layouts; sharing the objects spares building one per
+    tensor, and lets the planner and the cost model group tensors by identity.
+    """
+
+    def __init__(self) -> None:
+        self._made: dict[tuple, Layout] = {}
+        self._meshes: list[Mesh] = []  # keeps every mesh keyed by id alive while self lives
+
+    def __call__(self, shape: tuple[int, ...], mesh: Mesh, spec: Any, dtype: str | None) -> Layout:
+        key = (shape, id(mesh), spec, dtype)
+        lay = self._made.get(key)
+        if lay is None:
+            lay = self._made[key] = Layout(shape, mesh, spec, dtype)
+            self._meshes.append(mesh)
+        return lay
 
 
 def stage_of_layers(num_layers: int, pp: int) -> list[int]:
@@ -122,17 +142,17 @@ class _ExpertMeshes(NamedTuple):
         owners = tuple(Mesh(grid[:, r], names[:1] + names[2:]) for r in range(ep))
         return cls(Mesh(grid, names), owners, "fsdp" if fsdp > 1 else None, "etp" if etp > 1 else None)
 
-    def layout(self, info: TensorInfo, num_experts: int, dtype: str) -> Layout:
+    def layout(self, info: TensorInfo, num_experts: int, dtype: str, make: Any = Layout) -> Layout:
         """``info``'s layout: stacked ``[E, ...]`` over all ep ranks, else on its expert's ep rank."""
         inner: tuple = (self.etp, None) if info.role == "column" else (None, self.etp)
         if info.stacked:
             lead = ("ep", self.fsdp) if self.fsdp else "ep"
-            return Layout(info.shape, self.stacked, (lead, *inner), dtype)
+            return make(info.shape, self.stacked, (lead, *inner), dtype)
         mesh = self.owners[_expert_owner(int(info.expert or 0), num_experts, len(self.owners))]
         if self.fsdp:  # the leading dim over fsdp (major), as for dense tensors
             first = tuple(a for a in (self.fsdp, inner[0]) if a)
             inner = (first if len(first) > 1 else first[0], inner[1])
-        return Layout(info.shape, mesh, inner, dtype)
+        return make(info.shape, mesh, inner, dtype)
 
 
 def _num_experts(infos: Sequence[TensorInfo]) -> int:
@@ -243,17 +263,18 @@ def train_layouts(infos: Sequence[TensorInfo], par: TrainParallel, devices: Iter
     tp = "tp" if par.tp > 1 else None
     out: dict[str, Layout] = {}
     cache: dict[tuple, tuple] = {}
+    make = _Layouts()
     for t in infos:
         s = _stage(t, layer_stage, par.pp)
         dt = dtype or t.dtype
         if t.is_expert:
-            out[t.name] = experts[s].layout(t, n_exp, dt)
+            out[t.name] = experts[s].layout(t, n_exp, dt, make)
         else:
             key = (t.role, len(t.shape))
             spec = cache.get(key)
             if spec is None:
                 spec = cache[key] = _dense_spec(t, tp, fsdp)
-            out[t.name] = Layout(t.shape, dense_mesh[s], spec, dt)
+            out[t.name] = make(t.shape, dense_mesh[s], spec, dt)
     return out
 
 
@@ -281,17 +302,18 @@ def infer_layouts(infos: Sequence[TensorInfo], par: InferParallel, devices: Iter
     experts = _ExpertMeshes.build(ids, par.ep, 1, par.expert_tp) if par.splits_experts else None
     tp = "tp" if par.tp > 1 else None
     out: dict[str, Layout] = {}
+    make = _Layouts()
     for t in infos:
         dt = dtype or t.dtype
         if t.is_expert and experts is not None:
-            out[t.name] = experts.layout(t, n_exp, dt)
+            out[t.name] = experts.layout(t, n_exp, dt, make)
         elif t.stacked:
-            out[t.name] = Layout(t.shape, mesh, (None, tp, None) if t.role == "column" else (None, None, tp), dt)
+            out[t.name] = make(t.shape, mesh, (None, tp, None) if t.role == "column" else (None, None, tp), dt)
         else:
             replicas = _head_replicas(t, par.tp)
             m = head_mesh.get(replicas)
             if m is None:
                 m = head_mesh[replicas] = Mesh(ids.reshape(par.dp, par.tp // replicas, replicas),
                                                ("dp", "tp", "tp_replica"))
-            out[t.name] = Layout(t.shape, m, _dense_spec(t, tp, None), dt)
+            out[t.name] = make(t.shape, m, _dense_spec(t, tp, None), dt)
     return out

@@ -37,7 +37,8 @@ from jreshard.core.layout import Layout
 from jreshard.core.planner import Plan, PlanStats, TensorPlan
 from jreshard.fleet.hardware import Topology
 
-__all__ = ["Traffic", "Prediction", "predict", "plan_traffic", "predict_plan", "sender_load_bound", "check_pair"]
+__all__ = ["Traffic", "Prediction", "predict", "plan_traffic", "rows_traffic", "predict_plan", "sender_load_bound",
+           "check_pair"]
 
 
 @dataclasses.dataclass(slots=True)
@@ -137,6 +138,11 @@ def predict(traffic: Traffic, topo: Topology) -> Prediction:
 def plan_traffic(p: Plan | TensorPlan, topo: Topology) -> Traffic:
     """Per-device loads of a plan, its sends coalesced per (sender, receiver) pair, packed and unpacked."""
     src, dst, nb, _ = p.move_arrays()
+    return rows_traffic(src, dst, nb, topo)
+
+
+def rows_traffic(src: np.ndarray, dst: np.ndarray, nb: np.ndarray, topo: Topology) -> Traffic:
+    """``plan_traffic`` of move rows (sender, receiver, bytes), however many moves a row stands for."""
     traffic = Traffic.zeros(0)
     net = src != dst
     if (~net).any():

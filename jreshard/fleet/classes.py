@@ -1,0 +1,69 @@
+"""Tensors of a sync grouped into classes that share their source and destination layouts.
+
+A model of 70,000 tensors has a few hundred distinct (source, destination) layout
+pairs: a layout holds the shape, the dtype, the mesh and the spec. Whatever does not
+choose senders across tensors (the baselines, flat direct sends) plans one tensor
+per class and counts it as many times as the class has tensors; the bytes, the
+messages and the per-device loads are then the same as tensor by tensor.
+
+Example:
+  >>> from jreshard import Layout, Mesh
+  >>> from jreshard.fleet.classes import classes
+  >>> a = Layout((4,), Mesh([0, 1], "x"), ("x",), "float32")
+  >>> b = Layout((4,), Mesh([2], "y"), (), "float32")
+  >>> k = classes({"w": a, "v": a, "u": b}, {"w": b, "v": b, "u": b})
+  >>> k.names, k.of.tolist(), k.counts.tolist()
+  (['u', 'v', 'w'], [0, 1, 1], [1, 2])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import NamedTuple
+
+import numpy as np
+
+from jreshard.core.layout import Layout
+from jreshard.core.planner import Plan, plan_layouts
+from jreshard.core.rows import MoveArrays
+
+__all__ = ["Classes", "classes", "class_rows"]
+
+
+class Classes(NamedTuple):
+    """Tensors ``names`` (sorted) and, per class ``k``, its layouts ``pairs[k]`` and ``counts[k]`` tensors."""
+
+    names: list[str]
+    pairs: list[tuple[Layout, Layout]]
+    of: np.ndarray  # [T] the class of names[t]
+    counts: np.ndarray  # [K] tensors per class
+
+    def per_tensor(self, values: Iterable[float]) -> np.ndarray:
+        """A value per class spread to a value per tensor, in ``names`` order."""
+        return np.fromiter(values, dtype=float, count=len(self.pairs))[self.of]
+
+
+def classes(src: Mapping[str, Layout], dst: Mapping[str, Layout], names: Iterable[str] | None = None) -> Classes:
+    """The tensors ``names`` (default: all of ``src``, sorted) grouped by their pair of layouts."""
+    names = sorted(src) if names is None else list(names)
+    index: dict[tuple[Layout, Layout], int] = {}
+    of = np.fromiter((index.setdefault((src[n], dst[n]), len(index)) for n in names), dtype=np.int64,
+                     count=len(names))
+    return Classes(names, list(index), of, np.bincount(of, minlength=len(index)))
+
+
+def class_rows(pairs: list[tuple[Layout, Layout]], count: np.ndarray) -> MoveArrays:
+    """The unbalanced plan of one tensor per class (senders: first replicas), each row counted ``count`` times.
+
+    Without balancing a tensor's moves depend on its layouts alone, so the rows of a
+    class stand for the same moves of every tensor in it: ``nbytes`` and ``moves`` are
+    multiplied by the class's count.
+    """
+    if not pairs:
+        empty = np.zeros(0, np.int64)
+        return MoveArrays(empty, empty, empty, empty)
+    p: Plan = plan_layouts([(str(k), s, d) for k, (s, d) in enumerate(pairs)], balance=False)
+    parts = [p[str(k)].move_arrays() for k in range(len(pairs))]
+    times = np.repeat(count, [len(a.src) for a in parts])
+    src, dst, nbytes, moves = (np.concatenate(column) for column in zip(*parts, strict=True))
+    return MoveArrays(src, dst, nbytes * times, moves * times)
