@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-avx2 lint bench venv clean
+.PHONY: demo test test-no-amx lint bench venv clean
 
 $(STAMP): requirements.lock pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,9 +22,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# The suite as on an x86 CPU with AVX2 only (no AVX-512, no AMX): tests/isa/avx2/sitecustomize.py.
-test-avx2: $(STAMP)
-	PYTHONPATH=$(CURDIR)/tests/isa/avx2 $(PY) -m pytest -q $(PYTEST_ARGS)
+# The suite as on an x86 CPU without AMX (AVX-512 kept): tests/isa/no_amx/sitecustomize.py.
+test-no-amx: $(STAMP)
+	PYTHONPATH=$(CURDIR)/tests/isa/no_amx $(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The same checks tests/test_quality.py runs, with their full output.
 lint: $(STAMP)

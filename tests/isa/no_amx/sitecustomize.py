@@ -1,30 +1,27 @@
 """Makes every Python process that starts with this folder on ``PYTHONPATH`` run as on an x86 CPU
-with AVX2 only (no AVX-512, no AMX), such as an AMD EPYC of the Zen 2 or Zen 3 generations.
+without AMX (AVX-512 kept), such as an Ice Lake Xeon or an AMD EPYC of the Zen 4 generation.
 
-``make test-avx2`` runs the suite this way on a machine that has AVX-512 and AMX, so that the
-kernels a smaller CPU gets are tested too: torch's ATen kernels (``ATEN_CPU_CAPABILITY``) and
-oneDNN (``ONEDNN_MAX_CPU_ISA``) are capped at AVX2, and ``torch.cpu``'s feature probes, which
-vLLM's CPU platform reads to pick its kernel library (``vllm._C_AVX2``), its attention kernel and
-its FP8 GEMM, answer ``False`` for AVX-512 and AMX. The probes are patched right after
-``torch.cpu`` is imported (a post-import hook), so a process that never imports torch pays nothing.
-Processes that vLLM or the tests start inherit ``PYTHONPATH`` and the environment, so they run the
-same way.
+``make test-no-amx`` runs the suite this way on a machine that has AMX, so that the paths a CPU
+without AMX takes are tested too: ``torch.cpu``'s AMX probes, which vLLM's CPU platform reads to
+pick its attention kernel (``vec`` instead of ``amx``) and its FP8 GEMM (none: the FP8 engine test
+skips, saying why), answer ``False``. They are patched right after ``torch.cpu`` is imported (a
+post-import hook), so a process that never imports torch pays nothing. Processes that vLLM or the
+tests start inherit ``PYTHONPATH``, so they run the same way.
+
+Capping AVX-512 too (so that vLLM loads its ``_C_AVX2`` kernel library, as on an AVX2-only CPU)
+is not done: on an AMX machine the TP2 engine then fails at its first generation ("index out of
+range" in the vocabulary-parallel embedding), which a real AVX2-only CPU does not show.
 """
 
 from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
-import os
 import sys
 from types import ModuleType
 from typing import Any
 
-os.environ["ATEN_CPU_CAPABILITY"] = "avx2"
-os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX2"
-
-_PROBES = ("_is_avx512_supported", "_is_avx512_vnni_supported", "_is_avx512_bf16_supported",
-           "_is_amx_tile_supported", "_is_amx_fp16_supported")
+_PROBES = ("_is_amx_tile_supported", "_is_amx_fp16_supported")
 
 
 def _cap(module: ModuleType) -> None:
