@@ -69,7 +69,7 @@ def planner_only() -> None:
 
 # ------------------------------------------------------------------ the nccl-like baseline, worker side
 def receive_full(worker: Any, host: str, port: int, world: int,
-                 specs: list[tuple[str, list[int], str]]) -> dict[str, float]:
+                 specs: list[tuple[str, list[int], str]], secret: str) -> dict[str, float]:
     """On each vLLM worker: receive every full checkpoint tensor by broadcast, load it as vLLM's nccl backend does.
 
     Returns this worker's seconds: ``receive`` (waiting in broadcasts), ``load`` (the rest of
@@ -84,7 +84,8 @@ def receive_full(worker: Any, host: str, port: int, world: int,
     from bridge.engines.group import close_group, open_group
 
     model = worker.model_runner.get_model()
-    pg = open_group(host, port, 1 + get_tensor_model_parallel_rank(), world, timeout=300.0, name="baseline")
+    pg = open_group(host, port, 1 + get_tensor_model_parallel_rank(), world, secret=bytes.fromhex(secret),
+                    timeout=300.0, name="baseline")
     clock = {"receive": 0.0, "process": 0.0}
 
     def tensors():
@@ -193,12 +194,12 @@ def live(args: argparse.Namespace) -> None:
     specs = [(n, list(a.shape), "float32") for n, a in hf_state(flat, cfg).items()]
 
     def baseline() -> dict[str, Any]:
-        port, replies = free_ports(1)[0], []
+        port, replies, secret = free_ports(1)[0], [], os.urandom(32).hex()
         t0 = time.perf_counter()
         worker_call = threading.Thread(target=lambda: replies.extend(llm.collective_rpc(
-            me.receive_full, args=("127.0.0.1", port, 3, specs))))
+            me.receive_full, args=("127.0.0.1", port, 3, specs, secret))))
         worker_call.start()
-        pg = open_group("127.0.0.1", port, 0, 3, timeout=300.0, name="baseline")
+        pg = open_group("127.0.0.1", port, 0, 3, secret=bytes.fromhex(secret), timeout=300.0, name="baseline")
         t1 = time.perf_counter()
         full = {k: np.asarray(jax.device_get(x)) for k, x in flat.items()}  # the gather: every full tensor
         t2 = time.perf_counter()
