@@ -118,11 +118,34 @@ def impostor(cfg: dict[str, Any]) -> None:
     _done(out, f"impostor_{how.replace(' ', '_')}", report)
 
 
+def trainer(cfg: dict[str, Any]) -> None:
+    """A JAX trainer process of two under jax.distributed: its syncs' secrets, as digests (never the secret)."""
+    import hashlib
+
+    import jax
+
+    from bridge.engines.trainer import TrainerSync
+    from bridge.recipes import Recipe
+    from jreshard.nn import LlamaConfig
+
+    jax.distributed.initialize(f"127.0.0.1:{cfg['jax_port']}", num_processes=2, process_id=cfg["rank"],
+                               initialization_timeout=60)
+    recipe = Recipe.llama(LlamaConfig.load("llama-tiny"))
+    digests = [hashlib.sha256(TrainerSync(recipe, workers=1, control=object(), rank=cfg["rank"], trainers=2,
+                                          port=cfg["port"], ready_timeout=60).info.secret).hexdigest()
+               for _ in range(2)]
+    _done(Path(cfg["out"]), f"trainer{cfg['rank']}", {"digests": digests})
+    if cfg["rank"] == 0:  # it hosts jax's coordination service, which rank 1 reads the secret from
+        _wait_file(Path(cfg["out"]) / "trainer1", LIMIT)
+    os._exit(0)  # jax.distributed's shutdown barrier would wait for a trainer already gone
+
+
 # ------------------------------------------------------------------ the tests
 def _start(out: Path, **cfg: Any) -> subprocess.Popen:
     role = cfg["role"]
     with open(out / f"{role}{cfg.get('rank', '')}{cfg.get('how', '').replace(' ', '_')}.log", "w") as log:
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", JRESHARD_TEST_SECRET=SECRET.hex())
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", JRESHARD_TEST_SECRET=SECRET.hex(),
+                   JAX_PLATFORMS="cpu", **{membership.SECRET_ENV: ""})
         return subprocess.Popen([sys.executable, "-m", "tests.bridge.test_membership", json.dumps({**cfg, "out": str(
             out)})], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -214,6 +237,36 @@ def test_a_wrong_secret_is_refused_at_once_in_one_process():
         close_group(pg)
 
 
+def test_where_a_trainer_takes_its_secret_from(monkeypatch):
+    pytest.importorskip("jax")
+    from bridge.engines.trainer import TrainerSync
+    from bridge.recipes import Recipe
+    from jreshard.nn import LlamaConfig
+
+    def secret_of(**kw: Any) -> bytes:
+        sync = TrainerSync(Recipe.llama(LlamaConfig.load("llama-tiny")), workers=1, control=object(), rank=0,
+                           trainers=1, port=29999, **kw)
+        assert "secret" not in repr(sync.info)
+        return sync.info.secret
+
+    monkeypatch.delenv(membership.SECRET_ENV, raising=False)
+    made = secret_of(), secret_of()
+    assert all(len(s) == 32 for s in made) and made[0] != made[1]  # one trainer: a new one per object
+    monkeypatch.setenv(membership.SECRET_ENV, "x" * 20)
+    assert secret_of() == b"x" * 20
+    assert secret_of(secret=SECRET) == SECRET  # the argument first
+    monkeypatch.setenv(membership.SECRET_ENV, "short")
+    with pytest.raises(ValueError, match=f"{membership.SECRET_ENV} must hold at least 16 bytes"):
+        secret_of()
+
+def test_trainers_under_jax_distributed_share_rank_0s_new_secret(tmp_path, procs):
+    pytest.importorskip("jax")
+    jax_port, port = free_ports(2)
+    procs += [_start(tmp_path, role="trainer", rank=r, jax_port=jax_port, port=port) for r in (0, 1)]
+    wait_all(procs, LIMIT)
+    (first, second), again = (_read(tmp_path, f"trainer{r}")["digests"] for r in (0, 1))
+    assert again == [first, second] and first != second  # the same on both ranks, a new one per sync object
+
 def _other_address() -> str | None:
     import psutil
 
@@ -262,7 +315,7 @@ def test_the_store_and_gloo_listen_on_the_given_address_only():
 def _main() -> None:
     cfg = json.loads(sys.argv[1])
     with contextlib.suppress(KeyboardInterrupt):
-        (member if cfg["role"] == "member" else impostor)(cfg)
+        {"member": member, "impostor": impostor, "trainer": trainer}[cfg["role"]](cfg)
 
 
 if __name__ == "__main__":
