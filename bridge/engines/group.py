@@ -26,6 +26,7 @@ from typing import Any
 import torch.distributed as dist
 
 from bridge.engines.membership import check_secret, claim_rank, group_prefix, open_verifier, prove_members
+from bridge.errors import SyncError
 from bridge.wire.group import all_gather_bytes, forget_gloo_group, gloo_group
 from jreshard.core.args import check_int
 from jreshard.core.execution import ExecutionStats
@@ -134,8 +135,11 @@ def open_group(host: str, port: int, rank: int, world_size: int, *, secret: byte
     where = f"{host}:{store.port if isinstance(store, dist.TCPStore) else port}"
     open_verifier(store, secret, name, rank, where)
     claim_rank(store, secret, name, rank)
-    pg = gloo_group(dist.PrefixStore(group_prefix(secret, name) + "gloo/", store), rank, world_size, timeout,
-                    bind=local_address(host, port))
+    try:
+        pg = gloo_group(dist.PrefixStore(group_prefix(secret, name) + "gloo/", store), rank, world_size, timeout,
+                        bind=local_address(host, port))
+    except RuntimeError as e:  # gloo's rendezvous timed out, or a peer's connection failed
+        raise SyncError(f"rank {rank}: group {name!r} on {where} did not form within {timeout:g} s: {e}") from None
     _STORES[pg] = store  # rank 0's store server lives as long as the group
     try:
         prove_members(pg, secret, name, rank, world_size, lambda work: _wait(work, timeout, "the members' proofs"))
@@ -167,8 +171,6 @@ def owner_open(pg: dist.ProcessGroup | None) -> bool:
 
 
 def _wait(work: Any, timeout: float, what: str) -> None:
-    from bridge.errors import SyncError
-
     try:
         work.wait(datetime.timedelta(seconds=timeout))
     except Exception as e:  # gloo reports a dead peer or a timeout as RuntimeError
