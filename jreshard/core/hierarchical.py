@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -227,15 +227,26 @@ def split_stages(pairs: Sequence[tuple[str, Layout, Layout]],
       >>> [(p.name, p.dst.shard_box(3)) for p in s1], [p.name for p in s2]
       ([('w@domain1', (slice(4, 8, None),))], ['w@domain1'])
     """
-    _check_domains(domains)
     stage1: list[StagePair] = []
     stage2: list[StagePair] = []
-    for i, (name, src, dst) in enumerate(pairs):
-        for part, l1, final in stage_parts(dst, domains):
-            stage1.append(StagePair(i, f"{name}@{part}", src, l1))
-            if final is not None:
-                stage2.append(StagePair(i, f"{name}@{part}", l1, final))
+    for i, name, src, l1, final in _stage_rows(pairs, domains):
+        stage1.append(StagePair(i, name, src, l1))
+        if final is not None:
+            stage2.append(StagePair(i, name, l1, final))
     return stage1, stage2
+
+
+def _stage_rows(pairs: Iterable[tuple[str, Layout, Layout]],
+                domains: Domains) -> Iterator[tuple[int, str, Layout, Layout, Layout | None]]:
+    """Per part of each pair: (pair index, ``'<name>@<part>'``, source, stage-1 layout, final layout or None)."""
+    _check_domains(domains)
+    parts: dict[int, tuple[StagePart, ...]] = {}  # by destination object: a model's tensors share a few
+    for i, (name, src, dst) in enumerate(pairs):
+        mine = parts.get(id(dst))
+        if mine is None:
+            mine = parts[id(dst)] = stage_parts(dst, domains)
+        for part, l1, final in mine:
+            yield i, f"{name}@{part}", src, l1, final
 
 
 def has_domain_replicas(dst: Mapping[str, Layout], domains: Domains) -> bool:
@@ -257,6 +268,11 @@ def hierarchical_plan(src: Mapping[str, Layout], dst: Mapping[str, Layout], doma
     """
     check_pair(src, dst)
     names = sorted(src)
-    stage1, stage2 = split_stages([(n, src[n], dst[n]) for n in (progress(names) if progress else names)], domains)
-    return TwoStagePlan(plan_layouts([p[1:] for p in stage1]),
-                        plan_layouts([p[1:] for p in stage2]) if stage2 else None, tuple(names), domains)
+    stage1: list[tuple[str, Layout, Layout]] = []
+    stage2: list[tuple[str, Layout, Layout]] = []
+    for _, name, s, l1, final in _stage_rows(((n, src[n], dst[n]) for n in (progress(names) if progress else names)),
+                                             domains):
+        stage1.append((name, s, l1))
+        if final is not None:
+            stage2.append((name, l1, final))
+    return TwoStagePlan(plan_layouts(stage1), plan_layouts(stage2) if stage2 else None, tuple(names), domains)

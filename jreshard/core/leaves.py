@@ -40,7 +40,7 @@ class GroupKey(NamedTuple):
 class _Stage:
     """A group after step 2: per mesh pair c, each overlap's receiver and first sender."""
 
-    members: list[int]  # leaf indices
+    members: np.ndarray  # leaf indices, ascending
     overlaps: Overlaps
     src_ids: np.ndarray  # [C, S] source device ids per mesh pair
     itemsize: np.ndarray  # [T]
@@ -59,17 +59,41 @@ class _Chosen(NamedTuple):
     src: np.ndarray
 
 
+class _Pairs(NamedTuple):
+    """The distinct leaves (by the identity of their layouts: a model's tensors share a few), and each leaf's."""
+
+    uniq: list[Leaf]
+    of: np.ndarray  # [leaves] index into uniq
+    itemsize: np.ndarray  # [uniq]
+
+
+def _distinct(leaves: list[Leaf]) -> _Pairs:
+    seen: dict[tuple[int, int, int], int] = {}
+    of = np.fromiter((seen.setdefault((id(s), id(d), n), len(seen)) for s, d, n in leaves), np.int64,
+                     count=len(leaves))
+    first = np.unique(of, return_index=True)[1]  # the first leaf of each distinct pair
+    uniq = [leaves[i] for i in first.tolist()]
+    return _Pairs(uniq, of, np.array([leaf.itemsize for leaf in uniq], np.int64))
+
+
+def _groups(pairs: _Pairs) -> dict[GroupKey, np.ndarray]:
+    """Leaves that share a shape and a pair of grids, in leaf order; groups in order of their first leaf."""
+    keys: dict[GroupKey, int] = {}
+    group_of = np.fromiter((keys.setdefault(GroupKey(s.shape, grid_key(s), grid_key(d)), len(keys))
+                            for s, d, _ in pairs.uniq), np.int64, count=len(pairs.uniq))[pairs.of]
+    order = np.argsort(group_of, kind="stable")
+    bounds = np.searchsorted(group_of[order], np.arange(len(keys) + 1))
+    return {key: order[bounds[g]:bounds[g + 1]] for key, g in keys.items()}
+
+
 def plan_leaves(leaves: list[Leaf], balance: bool = True) -> tuple[list[GroupRows], list[LeafRange]]:
     """Plans every leaf; returns per-group rows and each leaf's range in them."""
-    by_key: dict[GroupKey, list[int]] = {}
-    for i, leaf in enumerate(leaves):
-        by_key.setdefault(GroupKey(leaf.src.shape, grid_key(leaf.src), grid_key(leaf.dst)), []).append(i)
-
+    pairs = _distinct(leaves)
     stages: list[_Stage] = []
     choices: list[Choice] = []
     fixed_load: dict[int, float] = {}  # sender -> bytes it must send whatever the balancing
-    for key, members in by_key.items():
-        stage = _stage(key, members, leaves)
+    for key, members in _groups(pairs).items():
+        stage = _stage(key, members, pairs)
         choice = _choice(len(stages), stage, key)
         stages.append(stage)
         if choice is not None:
@@ -88,13 +112,12 @@ def plan_leaves(leaves: list[Leaf], balance: bool = True) -> tuple[list[GroupRow
             chosen[c.group] = _Chosen(c.rows, senders)
 
     results: list[GroupRows] = []
-    ranges: dict[int, LeafRange] = {}
+    group, start, stop = (np.zeros(len(leaves), np.int64) for _ in range(3))
     for gi, stage in enumerate(stages):
         rows, bounds = _assemble(stage, chosen.get(gi), splits.get(gi))
-        for k, m in enumerate(stage.members):
-            ranges[m] = LeafRange(gi, int(bounds[k]), int(bounds[k + 1]))
+        group[stage.members], start[stage.members], stop[stage.members] = gi, bounds[:-1], bounds[1:]
         results.append(rows)
-    return results, [ranges[i] for i in range(len(leaves))]
+    return results, list(map(LeafRange, group.tolist(), start.tolist(), stop.tolist()))
 
 
 def _mesh_table(meshes: list[Mesh]) -> tuple[np.ndarray, np.ndarray]:
@@ -112,11 +135,15 @@ def _mesh_table(meshes: list[Mesh]) -> tuple[np.ndarray, np.ndarray]:
     return np.array([m.device_ids for m in uniq], dtype=np.int64), inv
 
 
-def _combos(members: list[int], leaves: list[Leaf]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _combos(members: np.ndarray, pairs: _Pairs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Distinct (src mesh, dst mesh) pairs of a group: src ids [C, S], dst ids [C, D], tensor -> pair."""
-    s_tab, s_inv = _mesh_table([leaves[i].src.mesh for i in members])
-    d_tab, d_inv = _mesh_table([leaves[i].dst.mesh for i in members])
-    uniq, inv = np.unique(s_inv * len(d_tab) + d_inv, return_inverse=True)
+    # Distinct leaves are numbered in order of their first leaf, so their meshes are met in
+    # the same order as the members' meshes.
+    mine, local = np.unique(pairs.of[members], return_inverse=True)
+    local = local.ravel()
+    s_tab, s_inv = _mesh_table([pairs.uniq[i].src.mesh for i in mine.tolist()])
+    d_tab, d_inv = _mesh_table([pairs.uniq[i].dst.mesh for i in mine.tolist()])
+    uniq, inv = np.unique(s_inv[local] * len(d_tab) + d_inv[local], return_inverse=True)
     return s_tab[uniq // len(d_tab)], d_tab[uniq % len(d_tab)], inv.ravel()
 
 
@@ -152,13 +179,12 @@ def _lacking(sgrid: _Grid, dgrid: _Grid, dst_src_pos: np.ndarray, ndim: int) -> 
     return (dvol[None] - own).sum(axis=1), dvol
 
 
-def _stage(key: GroupKey, members: list[int], leaves: list[Leaf]) -> _Stage:
+def _stage(key: GroupKey, members: np.ndarray, pairs: _Pairs) -> _Stage:
     """Step 2 for one group: receivers, local copies and first senders per mesh pair."""
     p = overlaps(*key)
     sgrid, dgrid = _grid(key.shape, *key.src), _grid(key.shape, *key.dst)
-    T = len(members)
-    src_ids, dst_ids, inv = _combos(members, leaves)  # [C, S], [C, D], [T]
-    itemsize = np.fromiter((leaves[i].itemsize for i in members), dtype=np.int64, count=T)
+    src_ids, dst_ids, inv = _combos(members, pairs)  # [C, S], [C, D], [T]
+    itemsize = pairs.itemsize[pairs.of[members]]
     dst_src_pos = _own_position(src_ids, dst_ids)
     dst_src_shard = np.where(dst_src_pos >= 0, sgrid.shard_flat[np.maximum(dst_src_pos, 0)], -1)
 
@@ -172,8 +198,9 @@ def _stage(key: GroupKey, members: list[int], leaves: list[Leaf]) -> _Stage:
     local_c = dst_src_shard[:, p.dst_pos] == p.src_shard[None, :]
     first = src_ids[:, sgrid.groups[p.src_shard, 0]] if M else pdst_c
     psrc_c = np.where(local_c, pdst_c, first)
+    leaf = members.tolist()
     return _Stage(members, p, src_ids, itemsize, inv, pdst_c, psrc_c, local_c,
-                  dict(zip(members, lacking.tolist(), strict=True)), dict(zip(members, naive.tolist(), strict=True)))
+                  dict(zip(leaf, lacking.tolist(), strict=True)), dict(zip(leaf, naive.tolist(), strict=True)))
 
 
 def _choice(gi: int, stage: _Stage, key: GroupKey) -> Choice | None:

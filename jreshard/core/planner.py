@@ -114,6 +114,22 @@ def plan_layouts(pairs: Sequence[tuple[str, Layout, Layout]], *, balance: bool =
       ['layers/0/w']
     """
     balance = _check_balance(balance)
+    names = _checked_names(pairs)
+    return _plan_tree(tuple((n,) if n else () for n in names), ("dict", names, ("leaf",) * len(pairs)),
+                      tuple(s for _, s, _ in pairs), tuple(d for _, _, d in pairs), balance)
+
+
+def _checked_names(pairs: Sequence[tuple[str, Layout, Layout]]) -> tuple[str, ...]:
+    """The names of ``pairs``, each checked; a pair of layouts shared by many tensors is checked once."""
+    if all(type(pair) is tuple and len(pair) == 3 for pair in pairs):
+        names = tuple(name for name, _, _ in pairs)
+        if all(type(name) is str for name in names) and len(set(names)) == len(names):
+            checked: set[tuple[int, int]] = set()
+            for name, s, d in pairs:
+                if (id(s), id(d)) not in checked:
+                    _check_pair(name, s, d)
+                    checked.add((id(s), id(d)))
+            return names
     seen: set[str] = set()
     for i, pair in enumerate(pairs):
         if not isinstance(pair, (tuple, list)) or len(pair) != 3:
@@ -125,9 +141,7 @@ def plan_layouts(pairs: Sequence[tuple[str, Layout, Layout]], *, balance: bool =
             raise ValueError(f"pairs[{i}] name {name!r} appears twice; give every tensor its own name.")
         seen.add(name)
         _check_pair(name, s, d)
-    names = tuple(name for name, _, _ in pairs)
-    return _plan_tree(tuple((n,) if n else () for n in names), ("dict", names, ("leaf",) * len(pairs)),
-                      tuple(s for _, s, _ in pairs), tuple(d for _, _, d in pairs), balance)
+    return tuple(name for name, _, _ in pairs)
 
 
 def _check_balance(balance: Any) -> bool:
