@@ -86,7 +86,9 @@ def plan(src: Any, dst: Any, *, balance: bool = True, **kwargs: Any) -> TensorPl
 
 
 def _is_jax_like(x: Any) -> bool:
-    return hasattr(x, "sharding") and hasattr(x, "shape") and not isinstance(x, Layout)
+    # A tracer (a call inside jax.jit) goes to the adapter too, which says to call outside jit.
+    tracer = any(c.__name__ == "Tracer" and c.__module__.startswith("jax") for c in type(x).__mro__)
+    return tracer or (hasattr(x, "sharding") and hasattr(x, "shape") and not isinstance(x, Layout))
 
 
 __getattr__ = lazy_attributes('jreshard', _LAZY, globals=globals(), modules=_SUBPACKAGES)

@@ -16,6 +16,7 @@ import functools
 import itertools
 import math
 import re
+import string
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -114,6 +115,7 @@ class Rule:
             object.__setattr__(self, arg, value)
 
         check_name(f"{rule} name", self.name, "the param name, a template such as 'layers.{1}.weight'")
+        _check_template(f"{rule} name", self.name)
         if not isinstance(self.transpose, bool):
             perm = check_ints(f"{rule} transpose", self.transpose)
             if sorted(perm) != list(range(len(perm))):
@@ -138,6 +140,8 @@ class Rule:
                             f"{type(self.dims).__name__} {self.dims!r}.")
         if self.at is not None and not isinstance(self.at, str):
             put("at", check_int(f"{rule} at", self.at))
+        elif isinstance(self.at, str):
+            _check_template(f"{rule} at", self.at)
 
     def spec(self, ndim: int) -> DimSpec:
         """The named dims of a leaf of ``ndim`` dims under this rule."""
@@ -169,6 +173,20 @@ class Rule:
         if sorted(perm) != list(range(ndim)):
             raise ValueError(f"Rule {self.pattern!r}: transpose {perm} is not a permutation of {ndim} dims.")
         return perm
+
+
+def _check_template(arg: str, template: str) -> None:
+    """Refuses a template ``_format`` cannot fill: only ``{1}``, ``{name}`` fields and ``{{``/``}}`` escapes."""
+    fix = ("use only fields such as {1} (a pattern group), {layer} (a named group or stacked dim) and "
+           "{{ }} for literal braces")
+    try:
+        fields = [(f, spec, conv) for _, f, spec, conv in string.Formatter().parse(template) if f is not None]
+    except ValueError as e:
+        raise ValueError(f"{arg} {template!r} is not a valid template ({e}); {fix}.") from None
+    for field, spec, conv in fields:
+        if spec or conv or not (field.isdigit() or field.isidentifier()):
+            text = "{" + field + (f"!{conv}" if conv else "") + (f":{spec}" if spec else "") + "}"
+            raise ValueError(f"{arg} {template!r} has the field {text}, which names no group plainly; {fix}.")
 
 
 @functools.lru_cache(maxsize=256)
@@ -371,11 +389,13 @@ def tp_param_map(source: Source, rules: Sequence[Rule], tp_ranks: Any, *, dtype:
         are inference replicas, or, for rules with ``ep_dim``, expert-parallel groups
         (row ``r`` holds the ``r``-th block of experts, each split over its row's TP ranks).
       dtype: the dtype of every param whose rule gives none.
-      strict: raise if a leaf matches no rule (``False`` skips it).
+      strict: raise if a leaf matches no rule (``False`` skips it, for rule lists that cover
+        part of a tree; a call where no leaf matches any rule is refused either way).
 
     Raises:
-      ValueError: a leaf matches no rule, a rule's name does not fit the leaf, a split is
-        uneven, or fused parts disagree (the message names the rule or the leaf).
+      ValueError: a leaf matches no rule (no leaf at all with ``strict=False``), a rule's name
+        does not fit the leaf, a split is uneven, or fused parts disagree (the message names
+        the rule or the leaf).
 
     Example (one layer of a scanned ``[L, in, out]`` leaf per param):
       >>> from bridge import Rule, Source, tp_param_map, trainer_mesh
@@ -398,8 +418,14 @@ def tp_param_map(source: Source, rules: Sequence[Rule], tp_ranks: Any, *, dtype:
     strict = check_flag("strict", strict)
     grid = rank_grid(tp_ranks, "tp_ranks", below=SOURCE_BASE).tolist()
     default = param_dtype(dtype)  # BridgePlan refuses the dtypes its wire cannot carry
+    matched = _match(source, rules, strict)
+    if not matched:
+        raise ValueError(f"no trainer leaf matches any of the {len(rules)} rules (first leaves "
+                         f"{list(source.paths[:3])}, first patterns {[r.pattern for r in rules[:3]]}); strict=False "
+                         "skips the leaves that match none, but at least one must match. Fix the patterns to match "
+                         "whole leaf paths.")
     params = []
-    for name, plist in _match(source, rules, strict).items():
+    for name, plist in matched.items():
         splits = {(p.rule.dim, p.rule.ep_dim) for p in plist}
         dtypes = {default if p.rule.dtype is None else param_dtype(p.rule.dtype, "Rule dtype") for p in plist}
         if len(splits) != 1 or len(dtypes) != 1:

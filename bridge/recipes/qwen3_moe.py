@@ -15,6 +15,7 @@ dense MLP layers and the shared expert follow ``llama_rules``.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +23,7 @@ from bridge.plan.param_map import ParamMap
 from bridge.plan.rules import Rule, tp_param_map
 from bridge.plan.source import SOURCE_BASE, Source
 from bridge.recipes.llama import llama_rules, tie_lm_head
-from jreshard.core.args import check_int
+from jreshard.core.args import check_flag, check_int
 from jreshard.core.degrees import InferParallel, rank_grid
 from jreshard.core.tp_split import TP_DIMS
 
@@ -58,6 +59,15 @@ def _names(target: str, names: dict[str, str] | None) -> dict[str, str]:
     return out
 
 
+def _splits_experts(ep: Any) -> bool:
+    """``ep`` as a flag: True/False (numpy bools too), or an expert-parallel degree that splits when above 1."""
+    if isinstance(ep, bool) or type(ep).__module__ == "numpy" and type(ep).__name__ in ("bool", "bool_"):
+        return check_flag("ep", ep)
+    if isinstance(ep, numbers.Integral):
+        return check_int("ep", ep, minimum=1) > 1
+    raise TypeError(f"ep must be True, False or an expert-parallel degree (an int), got {type(ep).__name__} {ep!r}.")
+
+
 def expert_rules(*, target: str = "vllm", names: dict[str, str] | None = None, ep: bool = False,
                  prefix: str = _LAYER) -> list[Rule]:
     """Rules for the routed experts and the router of every sparse layer.
@@ -67,11 +77,12 @@ def expert_rules(*, target: str = "vllm", names: dict[str, str] | None = None, e
         (``gate_up_proj``/``down_proj``): the same layout, other names.
       names: param name templates overriding the target's, keyed ``w13``, ``w2``, ``router``
         (``{layer}`` is the layer), e.g. ``{"w13": "model.layers.{layer}.mlp.experts.routed_experts.w13_weight"}``.
-      ep: split the experts over the rows of the rank grid (expert parallelism).
+      ep: split the experts over the rows of the rank grid (expert parallelism): ``True``, or a
+        degree above 1 (an int, numpy ints too; 1 and ``False`` keep every expert on each row).
       prefix: the regular expression of a layer's MLP path, with a group ``(?P<layer>...)``.
     """
     n = _names(target, names)
-    ep_dim = "e" if ep else None
+    ep_dim = "e" if _splits_experts(ep) else None
     rules = []
     for part, x in enumerate(("gate", "up")):  # [E, H, I] -> [E, I, H], this rank's gate rows then its up rows
         rules += [Rule(rf"{prefix}/experts/{x}_proj", n["w13"], dims="e h i -> e i h", dim="i",
@@ -152,6 +163,7 @@ def qwen3_moe_param_map(config: MoeConfig, source: Source, tp_ranks: Any, *, ep:
     if ep > 1:
         par = dataclasses.replace(par, ep=ep, expert_tp=grid.size // ep)
     expert_grid = par.expert_groups(grid.ravel()).tolist()
-    param_map = (tp_param_map(source, dense, tp_ranks, dtype=dtype, strict=False)
-                 + tp_param_map(source, experts, expert_grid, dtype=dtype, strict=False))
+    param_map = tp_param_map(source, dense, tp_ranks, dtype=dtype, strict=False)
+    if any(re.fullmatch(r.pattern, path) for path in source.paths for r in experts):  # a model with sparse layers
+        param_map = param_map + tp_param_map(source, experts, expert_grid, dtype=dtype, strict=False)
     return tie_lm_head(param_map) if config.tie_word_embeddings else param_map

@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding
 
 from bridge.plan.fp8 import Fp8ParamMap, scale_leaf
 from bridge.trainer.sender import flatten_params
+from jreshard.jax_executor.adapter import check_concrete
 from jreshard.jax_executor.fp8 import quantize
 
 __all__ = ["quantize_params"]
@@ -47,7 +48,8 @@ def quantize_params(params: Any, fp8: Fp8ParamMap) -> dict[str, Any]:
       ``{path: jax.Array}``, flat (its paths are the plan's leaves): pass it to ``Sender.sync``.
 
     Raises:
-      ValueError: a leaf that ``fp8`` quantizes is missing from ``params``.
+      TypeError: a leaf is a tracer (call it outside ``jax.jit``).
+      ValueError: a leaf that ``fp8`` quantizes is missing from ``params``, or a leaf was deleted (donated).
     """
     flat = flatten_params(params)
     formats = fp8.formats
@@ -57,6 +59,7 @@ def quantize_params(params: Any, fp8: Fp8ParamMap) -> dict[str, Any]:
                          "pass the whole tree.")
     out = {}
     for path, x in flat.items():
+        check_concrete(f"params[{path!r}]", x, "quantize_params")
         fmt = formats.get(path)
         if fmt is None:
             out[path] = x

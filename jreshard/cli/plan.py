@@ -69,15 +69,20 @@ def _restated(exc: ScenarioError, args: argparse.Namespace, fields: tuple[str, .
 
 def _scenario_from_args(args: argparse.Namespace) -> Scenario:
     flags = {"--model": args.model, "--train": args.train, "--infer": args.infer, "--hardware": args.hardware}
+    gpd = args.gpus_per_domain
+    if gpd is not None and gpd < 1:
+        raise ScenarioError(f"--gpus-per-domain {gpd}: the GPUs of one NVLink domain must be a positive int; "
+                            "pass for example --gpus-per-domain 8, or leave it out to use the hardware's.")
     if args.scenario:
         given = [k for k, v in flags.items() if v]
         if given:
             raise ScenarioError(f"give either a scenario file or {', '.join(flags)}, not both (got {given[0]}).")
         try:
-            return load_scenario(args.scenario, dtype=args.dtype, fp8_block=args.fp8_block)
+            s = load_scenario(args.scenario, dtype=args.dtype, fp8_block=args.fp8_block)
         except ScenarioError as exc:
             overridden = tuple(f for f in ("dtype", "fp8_block") if getattr(args, f) is not None)
             raise _restated(exc, args, overridden) from None
+        return s if gpd is None else dataclasses.replace(s, gpus_per_domain=gpd)
     missing = [k for k, v in flags.items() if not v]
     if missing:
         raise ScenarioError(f"without a scenario file, {missing[0]} is required (flags {', '.join(flags)}).")
@@ -92,8 +97,8 @@ def _scenario_from_args(args: argparse.Namespace) -> Scenario:
         data["dtype"] = args.dtype
     if args.fp8_block:
         data["fp8_block"] = args.fp8_block
-    if args.gpus_per_domain:
-        data["gpus_per_domain_override"] = args.gpus_per_domain
+    if gpd is not None:
+        data["gpus_per_domain_override"] = gpd
     try:
         return load_scenario(data, name=f"{args.model} train {args.train} infer {args.infer} on {args.hardware}")
     except ScenarioError as exc:

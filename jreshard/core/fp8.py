@@ -46,13 +46,13 @@ import math
 import numbers
 from typing import Any, NamedTuple
 
-import ml_dtypes
 import numpy as np
 
+from jreshard.core.args import INT64_MAX, check_ints
 from jreshard.core.dtypes import canonical_dtype, numpy_dtype
 
 __all__ = ["Fp8Format", "Quantized", "BlockAmax", "SCALE_DTYPE", "SCALINGS", "quantize", "dequantize",
-           "block_amax", "quantize_local", "float32_input"]
+           "block_amax", "quantize_local", "float32_input", "check_format"]
 
 SCALE_DTYPE = "float32"
 SCALINGS = ("reciprocal", "divide", "ratio")
@@ -89,8 +89,9 @@ class Fp8Format:
         for b in block:
             if b is not None and (isinstance(b, bool) or not isinstance(b, numbers.Integral)):
                 raise TypeError(f"block must hold ints or None, got {b!r} in {tuple(block)!r}.")
-            if b is not None and b < 1:
-                raise ValueError(f"block sizes must be positive, got {b} in {tuple(block)!r}.")
+            if b is not None and not 1 <= b <= INT64_MAX:
+                raise ValueError(f"block sizes must be positive and fit in int64, got {b} in {tuple(block)!r}; "
+                                 "a block at least as large as its dim is that whole dim (or pass None).")
         object.__setattr__(self, "block", tuple(None if b is None else int(b) for b in block))
         name = canonical_dtype(self.dtype, arg="dtype")
         if name is None or not name.startswith("float8"):
@@ -119,17 +120,24 @@ class Fp8Format:
     @property
     def fmax(self) -> np.float32:
         """The largest finite value of the FP8 type (448 for e4m3fn), as float32."""
+        import ml_dtypes  # here, not at import: it takes half a second to load, and planning needs no finfo
+
         return np.float32(ml_dtypes.finfo(numpy_dtype(self.dtype)).max)
 
-    def block_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+    def block_shape(self, shape: tuple[int, ...], arg: str = "shape") -> tuple[int, ...]:
         """The block size of every dim of a tensor of ``shape`` (whole dims resolved, at least 1)."""
-        shape = tuple(int(n) for n in shape)
+        shape = check_ints(arg, shape)
         if len(shape) < len(self.block):
             raise ValueError(f"a block of {len(self.block)} dims {self.block} needs a tensor of at least as many dims, "
                              f"got shape {shape}; use a shorter block, e.g. (128,) for vectors.")
         lead = len(shape) - len(self.block)
         return (1,) * lead + tuple(max(n, 1) if b is None else b
                                    for n, b in zip(shape[lead:], self.block, strict=True))
+
+    def kernel_block_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """``block_shape`` with each block cut to its dim: the same blocks (a block at least as large as
+        its dim covers the whole dim), and the most a kernel pads a dim to."""
+        return tuple(min(b, max(n, 1)) for n, b in zip(shape, self.block_shape(shape), strict=True))
 
     def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The shape of ``scale_inv`` for a tensor of ``shape``: ``ceil(n / b)`` per dim."""
@@ -170,11 +178,28 @@ def float32_input(x: Any, arg: str = "x") -> np.ndarray:
     return a.astype(np.float32, copy=False)
 
 
-def _offset(offset: Any, ndim: int) -> tuple[int, ...]:
-    off = (0,) * ndim if offset is None else tuple(int(o) for o in offset)
-    if len(off) != ndim or any(o < 0 for o in off):
-        raise ValueError(f"offset must give one non-negative start per dim ({ndim}), got {offset!r}.")
-    return off
+def check_format(fmt: Any, arg: str = "fmt") -> Fp8Format:
+    """``fmt`` as an Fp8Format: ``None`` is ``Fp8Format()`` (e4m3fn, 128 x 128 blocks)."""
+    if fmt is None:
+        return Fp8Format()
+    if not isinstance(fmt, Fp8Format):
+        raise TypeError(f"{arg} must be an Fp8Format (jreshard.core.fp8) or None for the default, got "
+                        f"{type(fmt).__name__} {fmt!r}; pass for example Fp8Format(block=(128, 128)).")
+    return fmt
+
+
+def _box(x_shape: tuple[int, ...], shape: Any, offset: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(the whole tensor's shape, where the box ``x`` starts in it), checked: the box lies inside the tensor."""
+    ndim = len(x_shape)
+    full = x_shape if shape is None else check_ints("shape", shape)
+    off = (0,) * ndim if offset is None else check_ints("offset", offset)
+    for arg, value in (("shape", full), ("offset", off)):
+        if len(value) != ndim:
+            raise ValueError(f"{arg} {value} must give one entry per dim of x, which has shape {x_shape}.")
+    if any(o + n > m for o, n, m in zip(off, x_shape, full, strict=True)):
+        raise ValueError(f"x of shape {x_shape} at offset {off} reaches beyond shape {full}, the whole tensor's; "
+                         "pass the box's start (offset) and the whole tensor's shape.")
+    return full, off
 
 
 def block_amax(x: Any, fmt: Fp8Format, shape: tuple[int, ...] | None = None, offset: Any = None) -> BlockAmax:
@@ -188,14 +213,15 @@ def block_amax(x: Any, fmt: Fp8Format, shape: tuple[int, ...] | None = None, off
 
     A block only partly inside ``x`` gets the amax of that part: its *partial amax*.
     """
+    fmt = check_format(fmt)
     a = np.abs(float32_input(x))
-    off = _offset(offset, a.ndim)
-    full = a.shape if shape is None else tuple(shape)
+    full, off = _box(a.shape, shape, offset)
     bs = fmt.block_shape(full)
     lo = tuple(o // b for o, b in zip(off, bs, strict=True))
     if a.size == 0:  # touches no block; the grid keeps its extent in the non-empty dims
         count = tuple(0 if n == 0 else -(-(o + n) // b) - j for o, n, b, j in zip(off, a.shape, bs, lo, strict=True))
         return BlockAmax(lo, np.zeros(count, np.float32))
+    bs = fmt.kernel_block_shape(full)  # the same blocks (x is inside the tensor), padded to at most the dim
     # Pad to whole blocks with zeros (|x| >= 0 leaves every max unchanged), then reduce each block.
     pad = [(o - j * b, -(-(o + n) // b) * b - (o + n)) for o, n, j, b in zip(off, a.shape, lo, bs, strict=True)]
     padded = np.pad(a, pad)
@@ -219,10 +245,13 @@ def quantize_local(x: Any, amax: BlockAmax, fmt: Fp8Format, shape: tuple[int, ..
     then the result is the box of the full tensor's quantization, bit for bit.
     Returns the FP8 box and the ``scale_inv`` of the blocks it touches (``amax``'s grid).
     """
+    fmt = check_format(fmt)
+    if not isinstance(amax, BlockAmax):
+        raise TypeError(f"amax must be a BlockAmax (from block_amax, agreed by the block's holders), got "
+                        f"{type(amax).__name__}.")
     x32 = float32_input(x)
-    off = _offset(offset, x32.ndim)
-    full = x32.shape if shape is None else tuple(shape)
-    bs = fmt.block_shape(full)
+    full, off = _box(x32.shape, shape, offset)
+    bs = fmt.kernel_block_shape(full)
     floored = fmt._floored(amax.amax)
     scale = floored / fmt.fmax
     if fmt.scaling == "divide":
@@ -243,21 +272,19 @@ def quantize(x: Any, fmt: Fp8Format | None = None) -> Quantized:
     Returns:
       ``Quantized(weight, scale_inv)``: the FP8 tensor and float32 scales of shape ``fmt.scale_shape(x.shape)``.
     """
-    fmt = Fp8Format() if fmt is None else fmt
-    if not isinstance(fmt, Fp8Format):
-        raise TypeError(f"fmt must be an Fp8Format, got {type(fmt).__name__}.")
+    fmt = check_format(fmt)
     x32 = float32_input(x)
     return quantize_local(x32, block_amax(x32, fmt), fmt)
 
 
 def dequantize(weight: Any, scale_inv: Any, fmt: Fp8Format | None = None, dtype: Any = "float32") -> np.ndarray:
     """``weight * scale_inv`` per block in float32, cast to ``dtype``: what an FP8 checkpoint loader computes."""
-    fmt = Fp8Format() if fmt is None else fmt
+    fmt = check_format(fmt)
     w = np.asarray(weight)
     s = np.asarray(scale_inv, np.float32)
     want = fmt.scale_shape(w.shape)
     if s.shape != want:
         raise ValueError(f"scale_inv has shape {s.shape} but a weight of shape {w.shape} in {fmt} needs {want}.")
-    bs = fmt.block_shape(w.shape)
+    bs = fmt.kernel_block_shape(w.shape)
     out = w.astype(np.float32) * _expand(s, (0,) * w.ndim, bs, (0,) * w.ndim, w.shape)
     return out.astype(numpy_dtype(dtype, arg="dtype"), copy=False)

@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jreshard.core.box import Box
-from jreshard.core.fp8 import BlockAmax, Fp8Format, Quantized, block_amax, quantize_local
+from jreshard.core.fp8 import BlockAmax, Fp8Format, Quantized, block_amax, check_format, quantize_local
 from jreshard.core.layout import Layout
 
 __all__ = ["QuantPlan", "BlockPart", "AmaxExchange", "AmaxPairs", "quant_plan", "execute", "AMAX_BYTES"]
@@ -230,9 +230,7 @@ def quant_plan(layout: Layout, fmt: Fp8Format | None = None) -> QuantPlan:
     """
     if not isinstance(layout, Layout):
         raise TypeError(f"layout must be a jreshard.Layout, got {type(layout).__name__}.")
-    fmt = Fp8Format() if fmt is None else fmt
-    if not isinstance(fmt, Fp8Format):
-        raise TypeError(f"fmt must be an Fp8Format, got {type(fmt).__name__}.")
+    fmt = check_format(fmt)
     fmt.block_shape(layout.shape)
     return QuantPlan(layout, fmt)
 

@@ -23,10 +23,10 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from jreshard.core.args import check_int
-from jreshard.core.fp8 import SCALE_DTYPE, Fp8Format
+from jreshard.core.fp8 import SCALE_DTYPE, Fp8Format, check_format
 from jreshard.core.layout import Layout
 from jreshard.core.mesh import Mesh
 
@@ -62,6 +62,13 @@ def _check(layout: Layout, fmt: Fp8Format, what: str) -> None:
                 f"into shards of a multiple of {b} elements, or choose a block that divides {c}.")
 
 
+def _check_layout(layout: Any) -> Layout:
+    if not isinstance(layout, Layout):
+        raise TypeError(f"layout must be a jreshard.Layout, got {type(layout).__name__} {layout!r}; "
+                        "build one with Layout(shape, mesh, spec).")
+    return layout
+
+
 def scale_layout(layout: Layout, fmt: Fp8Format) -> Layout:
     """The scale grid over ``layout``'s mesh: each dim split as the weight's, whole-dim blocks replicated.
 
@@ -70,6 +77,7 @@ def scale_layout(layout: Layout, fmt: Fp8Format) -> Layout:
     (a trainer's FSDP shards), a cut block's scale is placed by the scale grid's own
     split; the cost model uses that as the source of the scales.
     """
+    layout, fmt = _check_layout(layout), check_format(fmt)
     lead = layout.ndim - len(fmt.block)
     spec = tuple(() if d >= lead and fmt.block[d - lead] is None else axes for d, axes in enumerate(layout.dim_axes))
     return Layout(fmt.scale_shape(layout.shape), layout.mesh, spec, SCALE_DTYPE)
@@ -91,12 +99,7 @@ def fp8_split(layout: Layout, fmt: Fp8Format | None = None) -> Fp8Split:
       TypeError: ``layout`` is not a Layout or ``fmt`` not an Fp8Format.
       ValueError: a shard boundary of ``layout`` cuts a block, as vLLM refuses.
     """
-    if not isinstance(layout, Layout):
-        raise TypeError(f"layout must be a jreshard.Layout, got {type(layout).__name__}.")
-    fmt = Fp8Format() if fmt is None else fmt
-    if not isinstance(fmt, Fp8Format):
-        raise TypeError(f"fmt must be an Fp8Format, got {type(fmt).__name__}.")
-    return _split(layout, fmt, "layout")
+    return _split(_check_layout(layout), check_format(fmt), "layout")
 
 
 def fp8_tp_split(shape: tuple[int, ...], tp: int, dim: int | None, fmt: Fp8Format | None = None,
@@ -121,7 +124,4 @@ def fp8_tp_split(shape: tuple[int, ...], tp: int, dim: int | None, fmt: Fp8Forma
     spec: list[str | None] = [None] * len(shape)
     if dim is not None:
         spec[dim] = "tp"
-    fmt = Fp8Format() if fmt is None else fmt
-    if not isinstance(fmt, Fp8Format):
-        raise TypeError(f"fmt must be an Fp8Format, got {type(fmt).__name__}.")
-    return _split(Layout(shape, Mesh(ids, ("tp",)), tuple(spec)), fmt, f"tp={tp}")
+    return _split(Layout(shape, Mesh(ids, ("tp",)), tuple(spec)), check_format(fmt), f"tp={tp}")

@@ -91,13 +91,22 @@ def _parse_shape(shape: Any) -> tuple[int, ...]:
 
 
 
-def _check_nbytes(shape: tuple[int, ...], itemsize: int) -> None:
-    # Planner arithmetic is int64: a tensor must be addressable in bytes within it.
+def _check_nbytes(shape: tuple[int, ...], itemsize: int, mesh: Mesh, spec: tuple[tuple[str, ...], ...]) -> None:
+    # Planner arithmetic is int64: a tensor must be addressable in bytes within it, and so must
+    # the end of every shard (k chunks of ceil(n / k) may reach past n).
     if math.prod(shape) * itemsize > _INT64_MAX:
         raise ValueError(
             f"shape {shape} holds {math.prod(shape) * itemsize} bytes, more than the 2**63 - 1 the planner "
             "can count; split the tensor into smaller ones."
         )
+    sizes = dict(zip(mesh.axis_names, mesh.shape, strict=True))
+    for d, (n, axes) in enumerate(zip(shape, spec, strict=True)):
+        k = math.prod(sizes[a] for a in axes)
+        if -(-n // k) * k > _INT64_MAX:
+            raise ValueError(
+                f"shape {shape}: dim {d} of {n} split {k} ways gives chunks of {-(-n // k)} that reach "
+                f"{-(-n // k) * k}, past the 2**63 - 1 the planner can count; split the tensor into smaller ones."
+            )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -190,7 +199,7 @@ class Layout:
         dtype_n = canonical_dtype(dtype)
         object.__setattr__(self, "shape", shape_t)
         object.__setattr__(self, "mesh", mesh)
-        _check_nbytes(shape_t, itemsize_of(dtype_n))
+        _check_nbytes(shape_t, itemsize_of(dtype_n), mesh, spec_t)
         object.__setattr__(self, "dim_axes", spec_t)
         object.__setattr__(self, "dtype", dtype_n)
         object.__setattr__(self, "_hash", hash((shape_t, mesh, spec_t, dtype_n)))

@@ -20,9 +20,11 @@ knows nothing of jax: ``jreshard.plan`` hands jax arrays to the JAX executor's a
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+from jreshard.core.args import INT64_MAX
 from jreshard.core.check import PlanError, check_tensor_plan
 from jreshard.core.dtypes import itemsize_of
 from jreshard.core.layout import Layout, _grid
@@ -162,8 +164,26 @@ def _plan_tree(paths: tuple[tuple, ...], treedef: TreeDef, srcs: tuple[Layout, .
                balance: bool) -> Plan:
     # Bytes on the wire are the destination's: a cast happens at the sender.
     leaves = [Leaf(s, d, itemsize_of(d.dtype or s.dtype)) for s, d in zip(srcs, dsts, strict=True)]
+    _check_byte_counts(paths, dsts, leaves)
     groups, index = plan_leaves(leaves, balance)
     return Plan(paths, treedef, leaves, groups, index)
+
+
+def _check_byte_counts(paths: tuple[tuple, ...], dsts: tuple[Layout, ...], leaves: list[Leaf]) -> None:
+    """Refuses a plan whose statistics would pass int64: at most every destination device receives each tensor."""
+    # Whole models repeat a few layouts: bound with the widest element (16 bytes) per distinct layout first.
+    if sum(n * d.size * d.mesh.size for d, n in Counter(dsts).items()) * 16 <= INT64_MAX:
+        return
+    total = 0
+    for path, leaf in zip(paths, leaves, strict=True):
+        total += leaf.dst.size * leaf.itemsize * leaf.dst.mesh.size
+        if total > INT64_MAX:
+            where = f" by tensor {path_str(path)!r}" if path else ""
+            raise ValueError(
+                f"src and dst are too large to plan in one call: each tensor's bytes times its destination devices "
+                f"sum to {total}{where}, more than the 2**63 - 1 a plan's statistics count in (gather-then-broadcast "
+                "moves that much); plan fewer or smaller tensors per call."
+            )
 
 
 class _Flat(NamedTuple):

@@ -41,6 +41,7 @@ from importlib import resources
 from typing import Any
 
 from jreshard.core.args import check_int
+from jreshard.core.jsonfile import read_json_object
 
 __all__ = ["TensorInfo", "ModelConfig", "tensors", "num_params", "models", "get_model", "register_model",
            "load_config", "ARCHITECTURES"]
@@ -135,20 +136,14 @@ def load_config(config: Any, name: str | None = None) -> ModelConfig:
     """
     file_name = None
     if isinstance(config, (str, os.PathLike)):
-        file_name = _name_from_path(os.fspath(config))
-        with open(config) as f:
-            config = json.load(f)
+        path = os.fspath(config)
+        if os.path.isdir(path):  # a checkpoint folder
+            path = os.path.join(path, "config.json")
+        file_name = _name_from_path(path)
+        config = read_json_object("config", path, "a model's config.json")
     if not isinstance(config, dict):
         raise TypeError(f"config must be a dict or a path to a config.json, got {type(config).__name__}.")
-    arch_raw = config.get("architecture") or config.get("model_type")
-    if arch_raw is None and isinstance(config.get("architectures"), list) and config["architectures"]:
-        arch_raw = _HF_CLASSES.get(str(config["architectures"][0]), config["architectures"][0])
-    arch = _ALIASES.get(str(arch_raw)) if arch_raw is not None else None
-    if arch is None:
-        raise ValueError(
-            f"config field 'model_type' (or 'architecture') is {arch_raw!r}, which the catalog does not "
-            f"support; supported: {sorted(_ALIASES)}."
-        )
+    arch = _architecture(config)
     missing = [k for k in _REQUIRED[arch] if k not in config]
     if missing:
         raise ValueError(f"config for architecture {arch!r} lacks field(s) {missing}; "
@@ -160,6 +155,31 @@ def load_config(config: Any, name: str | None = None) -> ModelConfig:
         raise ValueError("config has no 'name' nor '_name_or_path'; pass name='my-model' to register it.")
     params = tuple(sorted((k, v) for k, v in config.items() if isinstance(v, (int, float, str, bool, type(None)))))
     return ModelConfig(model_name.split("/")[-1].lower() if name is None else name, arch, params)
+
+
+def _architecture(config: dict) -> str:
+    """The catalog architecture of a config: its ``architecture``, ``model_type`` or ``architectures[0]``.
+
+    ``architecture`` (the catalog's own field) and ``model_type`` (Hugging Face's) must both be
+    known and agree where both are given, so that an unknown ``model_type`` is never read as
+    another model.
+    """
+    named = [(f, config[f]) for f in ("architecture", "model_type") if config.get(f) is not None]
+    if not named and isinstance(config.get("architectures"), list) and config["architectures"]:
+        first = config["architectures"][0]
+        named = [("architectures[0]", _HF_CLASSES.get(str(first), first))]
+    if not named:
+        raise ValueError(f"config has no field 'model_type' (or 'architecture'); add one of {sorted(_ALIASES)}.")
+    archs = set()
+    for field, value in named:
+        if str(value) not in _ALIASES:
+            raise ValueError(f"config field {field!r} is {value!r}, which the catalog does not support; "
+                             f"supported: {sorted(_ALIASES)}.")
+        archs.add(_ALIASES[str(value)])
+    if len(archs) > 1:
+        raise ValueError(f"config fields 'architecture' {config['architecture']!r} and 'model_type' "
+                         f"{config['model_type']!r} name different architectures; give one of them.")
+    return archs.pop()
 
 
 def _name_from_path(path: str) -> str:

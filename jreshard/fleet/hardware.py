@@ -30,6 +30,7 @@ from typing import Any
 
 from jreshard.core.args import check_int
 from jreshard.core.domains import Domains
+from jreshard.core.jsonfile import read_json_object
 
 __all__ = ["Hardware", "Topology", "load_hardware", "hardware_names"]
 
@@ -70,8 +71,8 @@ def load_hardware(spec: str | os.PathLike | Mapping | Hardware) -> Hardware:
             data = json.loads(resources.files("jreshard").joinpath(f"data/hardware/{path}.json").read_text())
             where = f"hardware {path!r}"
         elif os.path.exists(path):
-            with open(path) as f:
-                data = json.load(f)
+            data = read_json_object("hardware file", path, "a hardware description such as "
+                                    "jreshard/data/hardware/dgx-h100.json")
             where = f"hardware file {path!r}"
         else:
             raise ValueError(f"hardware {path!r} is neither a known name {hardware_names()} nor a JSON file.")

@@ -42,6 +42,7 @@ from typing import Any
 
 from jreshard.core.args import check_int
 from jreshard.core.fp8 import Fp8Format
+from jreshard.core.jsonfile import read_json_object
 from jreshard.core.layout import Layout, canonical_dtype
 from jreshard.fleet import catalog, cost
 from jreshard.fleet.fp8 import AmaxSummary, Fp8Costs, fp8_costs, fp8_layouts, parse_block
@@ -199,21 +200,17 @@ def load_scenario(spec: str | os.PathLike | Mapping, *, name: str | None = None,
     elif isinstance(spec, (str, os.PathLike)):
         path = os.fspath(spec)
         if path in scenario_names():
-            text = resources.files("jreshard").joinpath(f"data/systems/{path}.json").read_text()
+            data = json.loads(resources.files("jreshard").joinpath(f"data/systems/{path}.json").read_text())
             where = f"scenario {path!r}"
         elif os.path.exists(path):
-            with open(path) as f:
-                text = f.read()
+            try:
+                data = read_json_object("scenario file", path, "a scenario such as those in jreshard/data/systems")
+            except ValueError as exc:
+                raise ScenarioError(str(exc)) from None
             where = f"scenario file {path!r}"
         else:
             raise ScenarioError(f"scenario {path!r} is neither a built-in name {scenario_names()} "
                                 "nor an existing file.")
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ScenarioError(f"{where} is not valid JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise ScenarioError(f"{where} must hold a JSON object, got {type(data).__name__}.")
         name = name or os.path.basename(path).removesuffix(".json")
     else:
         raise TypeError(f"scenario must be a name, a path or a dict, got {type(spec).__name__}.")
@@ -224,8 +221,8 @@ def load_scenario(spec: str | os.PathLike | Mapping, *, name: str | None = None,
         raise ScenarioError(f"{where}: field 'model' is missing; name one of {catalog.models()}.")
     model_spec = data["model"]
     try:
-        if isinstance(model_spec, str) and model_spec.endswith(".json") and os.path.exists(model_spec):
-            model = catalog.register_model(model_spec)
+        if isinstance(model_spec, str) and (model_spec.endswith(".json") or os.path.exists(model_spec)):
+            model = catalog.register_model(model_spec)  # a path: its own errors (missing, a folder, not JSON)
         else:
             model = catalog.get_model(model_spec)
     except (TypeError, ValueError) as exc:

@@ -26,7 +26,7 @@ from jreshard.core.layout import Layout
 from jreshard.core.mesh import Mesh
 from jreshard.core.planner import Plan, plan_layouts
 
-__all__ = ["Leaves", "parse", "plan_from_jax", "leaf_name", "check_live"]
+__all__ = ["Leaves", "parse", "plan_from_jax", "leaf_name", "check_live", "check_concrete"]
 
 
 def leaf_name(path: tuple) -> str:
@@ -140,6 +140,7 @@ def _target_sharding(name: str, value: Any, mesh: jax.sharding.Mesh | None) -> S
             )
         return value
     if isinstance(value, PartitionSpec):
+        _check_axes_once(f"target{where}", value)
         if mesh is None:
             raise TypeError(
                 f"target{where} is a PartitionSpec {value} but no mesh= was given; pass "
@@ -153,6 +154,26 @@ def _target_sharding(name: str, value: Any, mesh: jax.sharding.Mesh | None) -> S
         f"target{where} must be a jax.sharding.Sharding or a PartitionSpec (with mesh=), got "
         f"{type(value).__name__} {value!r}."
     )
+
+
+def _check_axes_once(arg: str, spec: PartitionSpec) -> None:
+    """Refuses a spec that names a mesh axis twice (``P('tp', 'tp')``), before jax's own error."""
+    axes = [a for e in spec if isinstance(e, (str, tuple)) for a in ((e,) if isinstance(e, str) else e)]
+    twice = [a for i, a in enumerate(axes) if a in axes[:i]]
+    if twice:
+        raise ValueError(f"{arg} {spec} uses mesh axis {twice[0]!r} twice; a mesh axis shards at most one dim, once. "
+                         "Name each axis once, e.g. P('tp', None) or P(('dp', 'tp'), None).")
+
+
+def check_concrete(where: str, x: Any, call: str) -> None:
+    """Refuses a tracer (``call`` inside ``jax.jit``: TypeError) and a deleted array (ValueError), naming ``where``."""
+    if isinstance(x, jax.core.Tracer):
+        raise TypeError(
+            f"{where} is a tracer: {call} must be called outside jax.jit (and other jax transformations), on "
+            "concrete arrays; call it between jitted steps."
+        )
+    if isinstance(x, jax.Array) and x.is_deleted():
+        raise ValueError(f"{where} has been deleted (donated by an earlier call?); pass live arrays.")
 
 
 def parse(params: Any, target: Any, *, mesh: Any = None, dtype: Any = None, need_data: bool = False) -> Leaves:
@@ -174,11 +195,7 @@ def parse(params: Any, target: Any, *, mesh: Any = None, dtype: Any = None, need
     values = tuple(v for _, v in flat)
     for name, v in zip(names, values, strict=True):
         where = f" at {name!r}" if name else ""
-        if isinstance(v, jax.core.Tracer):
-            raise TypeError(
-                f"params leaf{where} is a tracer: jreshard.transfer and jreshard.plan must be called outside "
-                "jax.jit (and other jax transformations), on concrete arrays; call it between jitted steps."
-            )
+        check_concrete(f"params leaf{where}", v, "jreshard.transfer and jreshard.plan")
         if not _is_jax_leaf(v) or (need_data and not isinstance(v, jax.Array)):
             kinds = "jax.Array" if need_data else "jax.Array or jax.ShapeDtypeStruct with a sharding"
             raise TypeError(
@@ -190,7 +207,6 @@ def parse(params: Any, target: Any, *, mesh: Any = None, dtype: Any = None, need
                 f"params leaf{where} is a ShapeDtypeStruct without a sharding; build it with "
                 "jax.ShapeDtypeStruct(shape, dtype, sharding=...)."
             )
-    check_live(names, values)
     jmesh = _jax_mesh(mesh) if mesh is not None else None
     targets = _broadcast(target, treedef, paths, _is_target_leaf, "target",
                          "a Sharding, a PartitionSpec (with mesh=)")
@@ -226,11 +242,7 @@ def parse(params: Any, target: Any, *, mesh: Any = None, dtype: Any = None, need
 def check_live(names: tuple[str, ...], values: tuple[Any, ...]) -> None:
     """Raises ValueError naming the first deleted array among ``values`` (``names`` in the same order)."""
     for name, v in zip(names, values, strict=True):
-        if isinstance(v, jax.Array) and v.is_deleted():
-            where = f" at {name!r}" if name else ""
-            raise ValueError(
-                f"params leaf{where} has been deleted (donated by an earlier call?); pass live arrays."
-            )
+        check_concrete(f"params leaf at {name!r}" if name else "params leaf", v, "jreshard.transfer")
 
 
 def plan_from_jax(src: Any, dst: Any, *, balance: bool = True, mesh: Any = None, dtype: Any = None) -> Plan:

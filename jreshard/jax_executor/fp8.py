@@ -55,10 +55,10 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from jreshard.core.dtypes import canonical_dtype
-from jreshard.core.fp8 import Fp8Format
+from jreshard.core.fp8 import Fp8Format, check_format
 from jreshard.core.fp8_split import fp8_split
 from jreshard.jax_executor import transfer as _transfer
-from jreshard.jax_executor.adapter import parse
+from jreshard.jax_executor.adapter import check_concrete, parse
 
 __all__ = ["quantize", "quantize_tree", "scale_sharding", "transfer", "fp8_format", "amax_reduce", "AmaxReduce"]
 
@@ -108,6 +108,7 @@ def scale_sharding(sharding: Sharding, shape: tuple[int, ...], fmt: Fp8Format) -
     cut blocks (every holder of a cut block knows its scale) and on whole-dim blocks.
     A sharding that is not a ``NamedSharding`` gives a replicated scale on its devices.
     """
+    fmt = check_format(fmt)
     shape = tuple(int(n) for n in shape)
     if not isinstance(sharding, NamedSharding):
         if sharding.is_fully_replicated:
@@ -192,7 +193,7 @@ def _geometry(mesh: jax.sharding.Mesh, axes: tuple[tuple[str, ...], ...], shape:
     """Per dim: shard size, block size, cut, blocks in one shard's window; and the axes to reduce over."""
     parts = tuple(math.prod(mesh.shape[a] for a in ax) for ax in axes)
     chunk = tuple(n // k for n, k in zip(shape, parts, strict=True))
-    bs = fmt.block_shape(shape)
+    bs = fmt.kernel_block_shape(shape)
     cut = _cut_dims(shape, parts, bs)
     window = tuple(-(-(c + b - 1) // b) if k else -(-c // b) for c, b, k in zip(chunk, bs, cut, strict=True))
     reduce_axes = tuple(a for ax, k in zip(axes, cut, strict=True) if k for a in ax)
@@ -202,6 +203,7 @@ def _geometry(mesh: jax.sharding.Mesh, axes: tuple[tuple[str, ...], ...], shape:
 def amax_reduce(sharding: Sharding, shape: tuple[int, ...], fmt: Fp8Format) -> AmaxReduce | None:
     """What ``quantize`` exchanges for an array of ``shape`` sharded as ``sharding``; ``None`` where
     XLA partitions the whole-array program (not a ``NamedSharding``) and decides itself."""
+    fmt = check_format(fmt)
     shape = tuple(int(n) for n in shape)
     if not isinstance(sharding, NamedSharding):
         return None
@@ -265,7 +267,7 @@ def _sharded_program(mesh: jax.sharding.Mesh, axes: tuple[tuple[str, ...], ...],
 @functools.lru_cache(maxsize=512)
 def _whole_program(shape: tuple[int, ...], fmt: Fp8Format, w_sharding: Sharding, s_sharding: Sharding
                    ) -> Callable[[jax.Array, Any], tuple[jax.Array, jax.Array]]:
-    bs = fmt.block_shape(shape)
+    bs = fmt.kernel_block_shape(shape)
     grid = fmt.scale_shape(shape)
 
     def whole(x: jax.Array, zero: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -300,10 +302,9 @@ def quantize(x: jax.Array, fmt: Fp8Format | None = None) -> tuple[jax.Array, jax
       TypeError: ``x`` is not a floating jax Array, or ``fmt`` not an Fp8Format.
       ValueError: ``fmt.block`` has more dims than ``x``.
     """
-    fmt = Fp8Format() if fmt is None else fmt
-    if not isinstance(fmt, Fp8Format):
-        raise TypeError(f"fmt must be an Fp8Format, got {type(fmt).__name__}.")
-    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+    fmt = check_format(fmt)
+    check_concrete("x", x, "quantize")
+    if not isinstance(x, jax.Array):
         raise TypeError(f"x must be a concrete jax.Array (call quantize outside jit), got {type(x).__name__}.")
     if not jnp.issubdtype(x.dtype, jnp.floating) or _is_fp8(x.dtype):
         raise TypeError(f"x must hold float32, bfloat16 or float16 numbers, got dtype {x.dtype}.")

@@ -254,12 +254,20 @@ def _stats(ex: Executor | TwoStageExecutor, delivery: str, transports: tuple[str
 
 
 def _check_domains(domains: Any) -> Domains | None:
-    if domains is None or isinstance(domains, Domains):
-        return domains
+    """``domains`` as Domains (or None); the ids of domains from groups must be jax's devices."""
+    if domains is None:
+        return None
     if isinstance(domains, (list, tuple)):
-        return Domains.from_groups(domains)
-    raise TypeError(f"domains must be a jreshard.Domains, a list of lists of device ids or None, got "
-                    f"{type(domains).__name__} {domains!r}.")
+        domains = Domains.from_groups(domains)
+    elif not isinstance(domains, Domains):
+        raise TypeError(f"domains must be a jreshard.Domains, a list of lists of device ids or None, got "
+                        f"{type(domains).__name__} {domains!r}.")
+    known = {d.id for d in jax.devices()}
+    unknown = sorted({i for g in domains.groups for i in g} - known)
+    if unknown:
+        raise ValueError(f"domains {domains!r} names devices {unknown[:8]} that jax does not have; its devices are "
+                         f"{sorted(known)[:16]}{'...' if len(known) > 16 else ''}. List ids of jax.devices().")
+    return domains
 
 
 def process_domains() -> Domains:

@@ -14,8 +14,10 @@ import dataclasses
 import json
 import numbers
 from importlib import resources
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
+
+from jreshard.core.jsonfile import read_json_object
 
 __all__ = ["LlamaConfig", "MoeConfig", "param_shapes", "fsdp_spec"]
 
@@ -75,6 +77,9 @@ class LlamaConfig:
           >>> MoeConfig.load("qwen3-moe-tiny", num_experts=16).num_experts
           16
         """
+        if not isinstance(name_or_path, (str, PurePath)) or not str(name_or_path):
+            raise TypeError(f"name_or_path must be a model name, a .json path or a checkpoint folder (str or Path), "
+                            f"got {type(name_or_path).__name__} {name_or_path!r}; pass for example 'llama-tiny'.")
         path = Path(name_or_path)
         if path.is_dir():
             path = path / "config.json"
@@ -85,11 +90,16 @@ class LlamaConfig:
                     f"name_or_path {str(name_or_path)!r} is neither a .json file nor a model in "
                     "jreshard/data/models; pass for example 'llama-tiny'."
                 )
-            text = ref.read_text()
+            data = json.loads(ref.read_text())
         else:
-            text = path.read_text()
-        raw = _from_hf(json.loads(text))
+            data = read_json_object("name_or_path", path, "a model config (a checkpoint's config.json)")
+        _check_family(data, str(path))
+        raw = _from_hf(data)
         fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise TypeError(f"{cls.__name__}.load got overrides {unknown} that are not {cls.__name__} fields; "
+                            f"its fields are {sorted(fields)}.")
         kwargs = {k: v for k, v in raw.items() if k in fields}
         kwargs.update(overrides)
         return cls(**kwargs)
@@ -119,6 +129,19 @@ class LlamaConfig:
             "attention_bias": False,
             "mlp_bias": False,
         }
+
+
+# The model_type (or the catalog's own "architecture") of every config the decoder can build.
+_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
+
+
+def _check_family(data: dict[str, Any], where: str) -> None:
+    """Refuses a config of another model family (a ``model_type`` this decoder does not build)."""
+    for field in ("model_type", "architecture"):
+        kind = data.get(field)
+        if kind is not None and kind not in _FAMILIES:
+            raise ValueError(f"name_or_path {where!r} has {field} {kind!r}, which jreshard.nn's decoder does not "
+                             f"build; it builds {list(_FAMILIES)}.")
 
 
 def _from_hf(raw: dict[str, Any]) -> dict[str, Any]:
