@@ -226,6 +226,8 @@ class Sender:
         """This process's single-device shards, keyed by (leaf path, source id); checks their layouts."""
         import jax
 
+        from jreshard.jax_executor.adapter import check_concrete
+
         flat = flatten_params(params)
         missing = [p for p in self.plan.source.paths if p not in flat]
         if missing:
@@ -235,6 +237,7 @@ class Sender:
         out = {}
         for path in self.plan.source.paths:
             x, layout = flat[path], self.plan.source.layout(path)
+            check_concrete(f"params[{path!r}]", x, "Sender.sync")
             if not isinstance(x, jax.Array):
                 raise TypeError(
                     f"params[{path!r}] must be a jax.Array (sharded as the plan's source says), got "
