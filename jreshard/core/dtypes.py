@@ -10,18 +10,24 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 __all__ = ["canonical_dtype", "itemsize_of", "numpy_dtype"]
 
 _HINT = "use for example 'float32', 'bfloat16' or 'int8'"
 
+# ml_dtypes takes about half a second to import: planning knows the names of its common types
+# and their sizes, and imports it only for a NumPy dtype or another name.
+_ML_ITEMSIZE = {"bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+                "float8_e4m3": 1, "float8_e8m0fnu": 1}
+
 
 def _resolve(dtype: Any, arg: str) -> np.dtype:
     try:
         resolved = np.dtype(dtype)
     except (TypeError, ValueError):
+        import ml_dtypes
+
         # jnp.bfloat16 and similar scalar types, or ml_dtypes names NumPy does not know.
         name = dtype if isinstance(dtype, str) else getattr(dtype, "name", None) or getattr(dtype, "__name__", None)
         found = getattr(ml_dtypes, name, None) if isinstance(name, str) else None
@@ -50,12 +56,23 @@ def canonical_dtype(dtype: Any, *, arg: str = "dtype") -> str | None:
     """
     if dtype is None:
         return None
+    if isinstance(dtype, str) and dtype in _ML_ITEMSIZE:
+        return dtype
     return _resolve(dtype, arg).name
 
 
 @functools.cache
 def _itemsize(name: str) -> int:
-    return _resolve(name, "dtype").itemsize
+    """Bytes per element of a dtype name.
+
+    Example (the names known without importing ml_dtypes have its sizes):
+      >>> import ml_dtypes
+      >>> import numpy as np
+      >>> from jreshard.core.dtypes import _ML_ITEMSIZE
+      >>> all(np.dtype(getattr(ml_dtypes, n)).itemsize == k for n, k in _ML_ITEMSIZE.items())
+      True
+    """
+    return _ML_ITEMSIZE.get(name) or _resolve(name, "dtype").itemsize
 
 
 def itemsize_of(dtype: Any) -> int:

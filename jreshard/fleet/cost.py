@@ -136,7 +136,7 @@ def compare(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology
     check_pair(src, dst)
     first = predict(fp8.exchange, topo) if fp8 is not None and len(fp8.exchange.msg_out) else None
     d = decide(src, dst, topo, hierarchical, direct_plan=jreshard_plan, progress=progress, first=first,
-               overlap=overlap)
+               overlap=overlap, plans=False)
     chosen = d.hierarchical if d.delivery == "hierarchical" and d.hierarchical is not None else d.direct
     riders = fp8.scales if fp8 else None
     baseline = gather_broadcast(src, dst, topo, riders=riders)

@@ -29,14 +29,17 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import cast
 
+import numpy as np
+
 from jreshard.core import hierarchical as _core
 from jreshard.core.args import check_int
 from jreshard.core.domains import Domains
 from jreshard.core.hierarchical import StagePart, TwoStagePlan, check_hierarchical
 from jreshard.core.layout import Layout
 from jreshard.core.planner import Plan, plan
+from jreshard.fleet.classes import class_rows, classes
 from jreshard.fleet.hardware import Topology
-from jreshard.fleet.traffic import Prediction, plan_traffic, predict, predict_plan
+from jreshard.fleet.traffic import Prediction, Traffic, plan_traffic, predict, predict_plan, rows_traffic
 
 __all__ = ["TwoStagePlan", "StagePart", "hierarchical_plan", "predict_two_stage", "stage_parts",
            "has_domain_replicas", "decide", "Decision"]
@@ -103,11 +106,15 @@ def predict_two_stage(tsp: TwoStagePlan, topo: Topology, *, overlap: int = 0) ->
     """
     # overlap: buckets between a stage-1 send and the stage-2 sends that forward it (0: one after the other)
     overlap = check_int("overlap", overlap)
-    one = plan_traffic(tsp.stage1, topo)
+    return _predict_stages(plan_traffic(tsp.stage1, topo),
+                           None if tsp.stage2 is None else plan_traffic(tsp.stage2, topo), topo, overlap)
+
+
+def _predict_stages(one: Traffic, two: Traffic | None, topo: Topology, overlap: int) -> Prediction:
+    """``predict_two_stage`` of the two stages' loads."""
     first = predict(one, topo)
-    if tsp.stage2 is None:
+    if two is None:
         return first
-    two = plan_traffic(tsp.stage2, topo)
     second = predict(two, topo)
     serial = first + second
     if not overlap:
@@ -121,6 +128,38 @@ def predict_two_stage(tsp: TwoStagePlan, topo: Topology, *, overlap: int = 0) ->
     return dataclasses.replace(serial, seconds=min(serial.seconds, max(first.seconds, second.seconds) + drain))
 
 
+def _replicated(lay: Layout) -> bool:
+    """Whether some shard of ``lay`` has several holders (a planner may choose its sender)."""
+    return lay.grid.groups.shape[1] > 1
+
+
+def _class_stages(src: Mapping[str, Layout], dst: Mapping[str, Layout],
+                  topo: Topology) -> tuple[Traffic, Traffic | None] | None:
+    """Both stages' loads, planned one tensor per class of shared layouts; ``None`` where a stage has replicas.
+
+    Where no source of a stage is replicated, the planner has no sender to choose, so a
+    tensor's moves depend on its layouts alone and a class's moves count once per tensor
+    (``jreshard.fleet.classes``). Where one is, balancing weighs every tensor against the
+    others, and only the whole plan (``hierarchical_plan``) gives its loads.
+    """
+    k = classes(src, dst)
+    one: list[tuple[Layout, Layout]] = []
+    two: list[tuple[Layout, Layout]] = []
+    n_one: list[int] = []
+    n_two: list[int] = []
+    for (s, d), n in zip(k.pairs, k.counts.tolist(), strict=True):
+        for _, l1, final in _core.stage_parts(d, topo.domains):
+            one.append((s, l1))
+            n_one.append(n)
+            if final is not None:
+                two.append((l1, final))
+                n_two.append(n)
+    if any(_replicated(a) for a, _ in one + two):
+        return None
+    first = rows_traffic(*class_rows(one, np.array(n_one, np.int64))[:3], topo)
+    return first, rows_traffic(*class_rows(two, np.array(n_two, np.int64))[:3], topo) if two else None
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Decision:
     """What ``decide`` chose: the delivery, both predictions, and the plans it made."""
@@ -129,12 +168,12 @@ class Decision:
     direct: Prediction
     hierarchical: Prediction | None  # None: not predicted ('never', or no domain holds two replicas)
     direct_plan: Plan = dataclasses.field(repr=False)
-    two_stage: TwoStagePlan | None = dataclasses.field(repr=False)
+    two_stage: TwoStagePlan | None = dataclasses.field(repr=False)  # None also when not asked for (plans=False)
 
 
 def decide(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology, hierarchical: str = "auto", *,
            direct_plan: Plan | None = None, progress: Callable | None = None,
-           first: Prediction | None = None, overlap: int = 0) -> Decision:
+           first: Prediction | None = None, overlap: int = 0, plans: bool = True) -> Decision:
     """Direct or hierarchical delivery, as the executors and ``compare`` choose it.
 
     ``'never'``: direct. Otherwise, when some domain of ``topo`` holds two replicas of a
@@ -142,7 +181,9 @@ def decide(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology,
     takes it when it is predicted faster than direct delivery. ``first``: a stage both
     deliveries run first (FP8's amax exchange), added to both predictions. ``overlap``: how the
     executor runs the two stages (``predict_two_stage``; ``0``, ``jreshard.transfer``: one after
-    the other).
+    the other). ``plans=False``: only the predictions are read (``compare``); where no stage
+    has a replicated source, the stages are predicted one tensor per class of shared layouts
+    and ``two_stage`` is ``None``.
 
     Example:
       >>> from jreshard import Layout, Mesh
@@ -164,7 +205,11 @@ def decide(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology,
     direct = after_first(predict_plan(p, topo))
     tsp, hier = None, None
     if hierarchical != "never" and has_domain_replicas(dst, topo):
-        tsp = hierarchical_plan(src, dst, topo, progress=progress)
-        hier = after_first(predict_two_stage(tsp, topo, overlap=overlap))
+        stages = None if plans else _class_stages(src, dst, topo)
+        if stages is None:
+            tsp = hierarchical_plan(src, dst, topo, progress=progress)
+            hier = after_first(predict_two_stage(tsp, topo, overlap=overlap))
+        else:
+            hier = after_first(_predict_stages(*stages, topo, check_int("overlap", overlap)))
     take = hier is not None and (hierarchical == "always" or hier.seconds < direct.seconds)
     return Decision("hierarchical" if take else "direct", direct, hier, p, tsp)
