@@ -20,11 +20,11 @@ from tests.vllm import _common as C
 
 ENGINE_START = 900.0  # seconds: an engine starts in about a minute, much longer on a loaded machine
 STEP = 600.0  # seconds for trainers to start, take a step and sync
+HTTP_TIMEOUT = 120.0  # seconds for one request to a vllm serve server (tests/vllm/test_serve_live.py)
 
 
-@contextlib.contextmanager
-def engine_server(base: Path, kind: str) -> Iterator[dict]:
-    """A vLLM engine (TP2, backend "jreshard") on a random ``kind`` model saved under ``base``."""
+def write_model(base: Path, kind: str) -> Any:
+    """Saves a random ``kind`` model under ``base / "model"`` with its weights (``initial.npz``); returns it."""
     cfg = C.config(kind)
     model = C.hf_model(cfg)
     state = {k: v.numpy() for k, v in model.state_dict().items()}
@@ -34,6 +34,13 @@ def engine_server(base: Path, kind: str) -> Iterator[dict]:
     else:
         model.save_pretrained(base / "model")
     np.savez(base / "model" / "initial.npz", **state)
+    return model
+
+
+@contextlib.contextmanager
+def engine_server(base: Path, kind: str) -> Iterator[dict]:
+    """A vLLM engine (TP2, backend "jreshard") on a random ``kind`` model saved under ``base``."""
+    model = write_model(base, kind)
     port_file = base / "port"
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0|1",
                PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
@@ -100,11 +107,32 @@ def save_fp8(model, state: dict[str, np.ndarray], path: Path) -> dict[str, np.nd
 
 
 def generate(engine) -> list[dict]:
+    """Greedy tokens and log-probabilities of ``C.PROMPTS``: the engine server's, or a ``vllm serve``
+    server's (an engine with a ``url``) through its OpenAI completions endpoint."""
+    if "url" in engine:
+        return completions(engine["url"], engine["served"], C.PROMPTS, C.MAX_TOKENS)
     return C.request(engine["address"], "generate", prompts=C.PROMPTS, max_tokens=C.MAX_TOKENS)
 
 
 def version(engine) -> str:
+    """The weight version the engine serves (a ``vllm serve`` server's from ``/weight_info``)."""
+    if "url" in engine:
+        import requests
+
+        return str(requests.get(f"{engine['url']}/weight_info", timeout=HTTP_TIMEOUT).json()["weight_version"])
     return C.request(engine["address"], "version")
+
+
+def completions(url: str, model: str, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    """``/v1/completions`` with token-id prompts, greedy, with each token's log-probability (no tokenizer)."""
+    import requests
+
+    body = {"model": model, "prompt": prompts, "max_tokens": max_tokens, "temperature": 0.0, "logprobs": 1,
+            "return_token_ids": True, "return_tokens_as_token_ids": True}
+    response = requests.post(f"{url}/v1/completions", json=body, timeout=HTTP_TIMEOUT)
+    assert response.ok, (response.status_code, response.text)
+    choices = sorted(response.json()["choices"], key=lambda c: c["index"])
+    return [{"tokens": c["token_ids"], "logprobs": c["logprobs"]["token_logprobs"]} for c in choices]
 
 
 def assert_matches(got: list[dict], want: list[dict], atol: float = 2e-4, near_tie: float = 0.0) -> int:
@@ -154,7 +182,7 @@ def start_trainers(engine, out: Path, versions: str, mode: str = "normal",
                 [C.python(), str(C.HERE / "trainer_worker.py"), "--rank", str(rank), "--jax-port", str(jax_port),
                  "--sync-port", str(sync_port), "--server", str(engine["address"][1]), "--model",
                  str(engine["model"]), "--out", str(out), "--versions", versions, "--mode", mode,
-                 "--kind", engine["kind"], "--timeout", str(timeout)],
+                 "--kind", engine["kind"], "--timeout", str(timeout), "--client", engine.get("client", "remote")],
                 cwd=C.ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     return procs
 

@@ -10,7 +10,8 @@ Rank 0 waits for the file ``go_v{v}`` before the next version, so the test can q
 ``--mode mismatch`` syncs with a recipe that asks for bfloat16 params (the engine holds float32);
 ``--mode die`` makes rank 1 exit in the middle of the first sync; ``--mode retry`` sends version 2 with
 ``final_norm/scale`` of the wrong shape (the sync fails on every rank) and goes on with the next version
-on the same ``VLLMWeightSync``. ``--kind`` names the model
+on the same ``VLLMWeightSync``. ``--client http`` drives a ``vllm serve`` server on port ``--server``
+(tests/vllm/test_serve_live.py) with ``bridge.engines.vllm.http.HTTPClient``. ``--kind`` names the model
 (``tests/vllm/_common.KINDS``; ``fp8``: the engine serves it as block-FP8, the sync quantizes).
 """
 
@@ -59,6 +60,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=30.0, help="the sync's deadline after its handshake (seconds)")
     ap.add_argument("--mode", default="normal", choices=["normal", "mismatch", "die", "retry"])
     ap.add_argument("--kind", default="dense", choices=sorted(C.KINDS))
+    ap.add_argument("--client", default="remote", choices=["remote", "http"],
+                    help="rank 0 drives the engine server (remote) or a `vllm serve` server over HTTP on --server")
     args = ap.parse_args()
 
     import dataclasses
@@ -92,7 +95,13 @@ def main() -> None:
     recipe = Recipe.qwen3_moe(cfg) if args.kind == "moe" else Recipe.llama(cfg)
     if args.mode == "mismatch":
         recipe = Recipe(tuple(dataclasses.replace(r, dtype="bfloat16") for r in recipe.rules))
-    client = C.RemoteClient(("127.0.0.1", args.server)) if args.rank == 0 else None
+    client = None
+    if args.rank == 0 and args.client == "http":
+        from bridge.engines.vllm.http import HTTPClient
+
+        client = HTTPClient(f"http://127.0.0.1:{args.server}", timeout=300.0)
+    elif args.rank == 0:
+        client = C.RemoteClient(("127.0.0.1", args.server))
     sync = VLLMWeightSync(recipe, workers=C.TP, client=client, rank=args.rank, trainers=C.TRAINERS,
                           port=args.sync_port, bucket_bytes=(64 << 10) if args.mode == "die" else (16 << 20),
                           timeout=args.timeout, ready_timeout=120.0)
