@@ -98,6 +98,7 @@ def fp8_layouts(infos: Sequence[TensorInfo], src: Mapping[str, Layout], dst: Map
     out_src: dict[str, Layout] = {}
     out_dst: dict[str, Layout] = {}
     checked: dict[tuple, tuple[Layout, Layout]] = {}
+    scales: dict[Layout, Layout] = {}  # a model's tensors share a few layouts, and so do their scales
     for t in infos:
         s, d = src[t.name], dst[t.name]
         out_src[t.name] = s
@@ -112,7 +113,9 @@ def fp8_layouts(infos: Sequence[TensorInfo], src: Mapping[str, Layout], dst: Map
                 raise ValueError(f"FP8 delivery of {t.name} ({fmt}): {exc}") from None
         weight, scale = checked[key]
         out_dst[t.name] = weight
-        out_src[scale_name(t.name)] = scale_layout(s, fmt)
+        if s not in scales:
+            scales[s] = scale_layout(s, fmt)
+        out_src[scale_name(t.name)] = scales[s]
         out_dst[scale_name(t.name)] = scale
     return out_src, out_dst
 
@@ -143,10 +146,9 @@ def amax_exchange(infos: Sequence[TensorInfo], src: Mapping[str, Layout], fmt: F
     pair of devices that shares cut blocks sends one message carrying all their
     partial amaxes (``AMAX_BYTES`` each).
     """
-    src_ids: list[np.ndarray] = []
-    dst_ids: list[np.ndarray] = []
-    counts: list[np.ndarray] = []
-    fp8_bytes = scale_bytes = kept_bytes = cut = quantized = 0
+    fp8_bytes = kept_bytes = quantized = 0
+    layouts: dict[Layout, int] = {}  # quantized tensors per training layout: their exchanges are alike
+    shapes: dict[tuple[int, ...], int] = {}
     for t in infos:
         layout = src[t.name]
         if not t.quantize:
@@ -154,16 +156,23 @@ def amax_exchange(infos: Sequence[TensorInfo], src: Mapping[str, Layout], fmt: F
             continue
         quantized += 1
         fp8_bytes += math.prod(t.shape)
-        scale_bytes += math.prod(fmt.scale_shape(t.shape)) * 4
+        shapes[t.shape] = shapes.get(t.shape, 0) + 1
+        layouts[layout] = layouts.get(layout, 0) + 1
+    scale_bytes = sum(math.prod(fmt.scale_shape(shape)) * 4 * n for shape, n in shapes.items())
+    src_ids: list[np.ndarray] = []
+    dst_ids: list[np.ndarray] = []
+    counts: list[np.ndarray] = []
+    cut = 0
+    for layout, n in layouts.items():
         qp = quant_plan(layout.with_dtype(None), fmt)
         n_cut = qp.num_cut_blocks()
         if not n_cut:
             continue
-        cut += n_cut
+        cut += n_cut * n
         pairs = qp.pairs()
         src_ids.append(pairs.src)
         dst_ids.append(pairs.dst)
-        counts.append(pairs.values)
+        counts.append(pairs.values * n)
     traffic = Traffic.zeros(0)
     nbytes = messages = 0
     if src_ids:
