@@ -152,12 +152,12 @@ class Sender:
       ready_timeout: seconds to wait for every rank to join a sync (the handshake; also bounded
         by the process group's timeout).
       progress: show a tqdm bar (``None``: for syncs over 1 GiB on a terminal).
-      checksum: announce an xxh3-64 digest of every piece sent, which receivers check before
-        committing (host memory only); the ranks then vote on every bucket, and in a two-stage
-        plan the forwarding receivers announce digests too. Off by default: on the soak benchmark
-        it costs more than 5% of the sync time (docs/reliability.md); byte counts are checked
-        either way, and without digests the ranks vote only every ``bridge.wire.vote.vote_every(plan)``
-        buckets and in the final ack.
+      checksum: send an xxh3-64 digest of every piece after its bucket's payload (a weighted word
+        sum for a piece on an accelerator), which receivers check before anything is committed; in
+        a two-stage plan the forwarding receivers send digests too. On by default (its cost is in
+        docs/reliability.md). ``False`` sends none: lengths are still checked by the sender, the
+        votes and the receiver's transport, but a flipped byte, or two messages of one length
+        swapped, is then committed unnoticed.
 
     Attributes:
       last_stats: the ``jreshard.core.execution.ExecutionStats`` of the last sync (also a failed
@@ -166,7 +166,7 @@ class Sender:
     """
 
     def __init__(self, plan: BridgePlan, *, rank: int | None = None, timeout: float = 60.0,
-                 ready_timeout: float = 600.0, progress: bool | None = None, checksum: bool = False) -> None:
+                 ready_timeout: float = 600.0, progress: bool | None = None, checksum: bool = True) -> None:
         rank = check_plan_and_rank(plan, rank)
         if rank not in plan.source.ranks:
             raise ValueError(f"rank {rank} holds no trainer shards in the plan (trainer ranks {plan.source.ranks}).")

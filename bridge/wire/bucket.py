@@ -5,7 +5,7 @@ receives and unpacks messages), staging buffers (``Arena``), the operations of a
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -16,7 +16,7 @@ from bridge.wire.handshake import Role
 from bridge.wire.transport import Kind, Op
 from bridge.wire.vote import Code, Status
 
-__all__ = ["Side", "Arena", "Bucket", "WrongCount", "check_sizes"]
+__all__ = ["Side", "Arena", "Bucket", "WrongCount", "check_sizes", "digest_ops"]
 
 PackFn = Callable[[Message, torch.Tensor], list[torch.Tensor]]
 UnpackFn = Callable[[Message, torch.Tensor], None]
@@ -93,13 +93,24 @@ class Arena:
 
 class Bucket(NamedTuple):
     """A bucket ready to post: its operations, the messages it sends (with the tensors of each) and
-    those it receives (with their staging buffers and the tensors each segment lands in)."""
+    those it receives (with their staging buffers and the tensors each segment lands in); with
+    checksums, per message sent the int64 tensor its digests are sent from (filled before posting),
+    per message received the one they arrive in."""
 
     ops: list[Op]
     recvs: list[Message]
     rbufs: list[torch.Tensor]
     sends: list[tuple[Message, list[torch.Tensor]]]
     rtensors: list[list[torch.Tensor]]
+    sdigests: Sequence[torch.Tensor] = ()
+    rdigests: Sequence[torch.Tensor] = ()
+
+
+def digest_ops(kind: Kind, msgs: list[Message], device: torch.device | str) -> tuple[list[Op], list[torch.Tensor]]:
+    """The operations that carry the digests of ``msgs`` (one int64 per piece, one operation per message,
+    after the bucket's payload), and their tensors."""
+    bufs = [torch.zeros(len(m.pieces), dtype=torch.int64, device=device) for m in msgs]
+    return [Op(kind, m.dst if kind == Kind.SEND else m.src, t) for m, t in zip(msgs, bufs, strict=True)], bufs
 
 
 class WrongCount(Exception):

@@ -8,21 +8,23 @@ Protocol of one sync, every rank of the group taking part:
    raise ``PlanMismatchError`` on every rank before any data moves. On a fingerprint
    mismatch the ranks also exchange what their fingerprints cover (JSON text,
    ``bridge.plan.key``), so the error says what differs. When any rank asks for digests
-   (``Sender(checksum=True)``), every rank announces them and votes on every bucket.
+   (``Sender(checksum=True)``, the default), every rank sends them.
 2. Votes: before the payload of a voted bucket moves, one ``all_gather`` of a fixed-length
    int64 row per rank (``bridge.wire.vote``): the rank's status (an exception while packing
-   or unpacking, a message of the wrong size, a checksum mismatch found in an earlier
-   bucket), the byte count of every segment it is about to send and, with digests, an
-   xxh3-64 digest of every piece. Every bucket is voted with digests; without, every
+   or unpacking, a message of the wrong size or length, a checksum mismatch found in an
+   earlier bucket) and the byte count of every segment it is about to send, every
    ``vote_every(plan)`` buckets (``VOTE_BYTES`` per rank between votes). Every rank
    reaches the same verdict from the same table; on a failure or a byte count that
    differs from the plan every rank raises ``SyncError`` naming the rank, the bucket and
    the tensor, before any payload of the bucket is posted, and the group stays usable.
-   A wrong-size message never reaches gloo: each sender checks its ``pack``'s tensors
-   against the plan's segments (count and bytes) before posting them and reports a
-   mismatch as a failure. A rank that failed between votes keeps sending and receiving
-   staging bytes of the planned sizes, so its peers' operations match, unpacks nothing
-   and announces the failure (naming its bucket) in the next vote.
+   Lengths are checked three times: each sender checks its ``pack``'s tensors against the
+   plan's segments (count and bytes) before posting them and reports a mismatch as a
+   failure; the vote compares every announced byte count with the plan; and the transport
+   checks what arrives against the receive it was posted for (``bridge.wire.transport``: the
+   gloo transport frames every bucket with its lengths and refuses a message of another
+   length before any of its bytes land). A rank that failed between votes keeps sending and
+   receiving staging bytes of the planned sizes, so its peers' operations match, unpacks
+   nothing and announces the failure (naming its bucket) in the next vote.
 3. Buckets: per bucket every rank posts its operations at once through the sync's transport
    (``bridge.wire.transport``; by default ``bridge.wire.gloo.GlooTransport``: with gloo straight to
    the process group's ``send`` / ``recv``, else one ``batch_isend_irecv``):
@@ -33,14 +35,15 @@ Protocol of one sync, every rank of the group taking part:
    there; a piece contiguous in the receiver's param is received straight into
    it; the other pieces travel packed, runs of them as one operation. Bucket buffers
    come from two arenas per side, so the sender packs bucket b+1 while bucket b is on
-   the wire and the receiver checks and unpacks bucket b while bucket b+1 arrives. A rank
+   the wire and the receiver checks and unpacks bucket b while bucket b+1 arrives. With
+   digests, each message is followed by one more operation to its receiver: the xxh3-64 digest
+   of each of its pieces (computed in a thread while the bucket before is on the wire). A rank
    that only receives, into memory of its own (the default atomic ``Receiver``, which holds
    every message until the final ack), posts the receives of every bucket up to the next vote
    at once, so the senders never wait for it between buckets. The vote
-   on bucket b+1 travels while bucket b is on the wire (except a vote that carries digests,
-   cast once they are computed), and is counted once bucket b arrived. Receivers
-   check every piece's digest before unpacking it and report a mismatch in the next vote
-   (that of bucket b+2, or the final ack).
+   on bucket b+1 travels while bucket b is on the wire, and is counted once bucket b
+   arrived. Receivers check every piece's digest before unpacking it and report a
+   mismatch in the next vote (or the final ack).
 4. Final ack: the vote after the last bucket; receivers commit only when every rank
    reported success.
 
@@ -52,7 +55,8 @@ the wait at once on every survivor that has an operation pending with it; a rank
 gives up so raises the sync's alarm (``bridge.wire.alarm``, passed to the transport's waits),
 which every other rank checks while it waits for a bucket.
 
-After a ``SyncError`` raised by a vote (a rank's exception, corrupt or wrong-size data)
+After a ``SyncError`` raised by a vote (a rank's exception, corrupt or wrong-size data, a
+message of the wrong length that the transport refused)
 nothing is in flight and the group can run the next sync. After a timeout or a dead
 peer the group is unusable (gloo closes the pairs of a failed operation):
 ``rebuild_group`` destroys it and creates a new one.
@@ -73,12 +77,12 @@ from bridge.errors import REBUILD_GROUP, PlanMismatchError, SyncError
 from bridge.plan.bridge_plan import WIRE_DTYPES, BridgePlan
 from bridge.wire import vote as _vote
 from bridge.wire.alarm import SyncAlarm
-from bridge.wire.bucket import Arena, Bucket, Side, WrongCount, check_sizes
+from bridge.wire.bucket import Arena, Bucket, Side, WrongCount, check_sizes, digest_ops
 from bridge.wire.gloo import check_transport
 from bridge.wire.group import check_plan_and_rank, group_ranks
 from bridge.wire.handshake import HandshakeStatus, Role, handshake, header
 from bridge.wire.tally import Tally
-from bridge.wire.transport import Kind, Op, Transport
+from bridge.wire.transport import Kind, Op, Transport, WrongLength
 from bridge.wire.vote import Code, Status, vote_every
 from jreshard.core.args import check_int, check_seconds
 from jreshard.core.progress import progress_bar
@@ -121,8 +125,8 @@ class SyncSession:
       timeout: seconds the sync may take after the handshake (one deadline: every bucket, the final ack).
       ready_timeout: seconds the handshake waits for every rank.
       status: ``HandshakeStatus.REJECTED`` joins only to fail every rank at once (``reject_sync``).
-      checksum: this rank asks for digests; when any rank asks, every rank announces a digest of
-        every piece it sends and votes on every bucket (else every ``vote_every(plan)`` buckets).
+      checksum: this rank asks for digests; when any rank asks, every rank sends an xxh3-64 digest of
+        every piece it sends, after the bucket's payload, and receivers check them before unpacking.
       progress: a progress bar (``jreshard.core.progress``).
       arena: staging buffers to reuse across syncs (default: new ones).
       transport: moves the payload (default: ``GlooTransport(group)``, closed at the end).
@@ -165,7 +169,6 @@ class SyncSession:
         # The state of the bucket loop.
         self._mine = Status()  # this rank's status, announced in the next vote
         self._cur = _InFlight(None, [])  # the bucket on the wire
-        self._expected: dict[tuple[int, int], int] = {}  # digests announced for the bucket on the wire
         self._ahead: dict[int, _InFlight] = {}  # buckets posted ahead, with their handles
         self._reach = 0  # the first bucket not posted ahead
         self._hasher: ThreadPoolExecutor | None = None
@@ -203,7 +206,6 @@ class SyncSession:
         agreed = handshake(self.plan, self.rank, self.ranks, self.group, self.alarm, mine,
                            time.monotonic() + self.ready_timeout)
         self.version, self.checksum = agreed
-        self.every = 1 if self.checksum else vote_every(self.plan)
 
     def _buckets(self) -> None:
         """Every bucket, then the final ack (``_step``); nothing of the sync outlives it."""
@@ -236,24 +238,25 @@ class SyncSession:
         nxt = self._next(b, voting)
         sums = self._digest(nxt.bucket)
         # The vote on bucket b travels while bucket b-1 is on the wire. Not the final ack, which announces
-        # the check and unpacking of the last bucket, nor a vote that carries digests (computed meanwhile).
-        early = self.cast(b, nxt.bucket, sums) if voting and b < nb and sums is None else None
+        # the check and unpacking of the last bucket.
+        early = self.cast(b, nxt.bucket) if voting and b < nb else None
         self.wait(b)
         if b == nb:  # the last bucket is checked and unpacked before the final ack, which announces a failure
             self.finish(b - 1)
-        expected: dict[tuple[int, int], int] = {}
         if voting:
-            expected = self.count(b, early if early is not None else self.cast(b, nxt.bucket, sums))
+            self.count(b, early if early is not None else self.cast(b, nxt.bucket))
+        if nxt.handles is None:
+            self._seal(b, nxt.bucket, sums)
         handles = nxt.handles if nxt.handles is not None else self.post(nxt.bucket, b)
         self._reach = max(self._reach, b + 1)
         if nxt.bucket is not None:
             self._post_ahead()
         if b < nb:
             self.finish(b - 1)
-        self._cur, self._expected = _InFlight(nxt.bucket, handles), expected
+        self._cur = _InFlight(nxt.bucket, handles)
 
     def _votes_at(self, b: int) -> bool:
-        return b == self.plan.num_buckets or self.every == 1 or (b > 0 and b % self.every == 0)
+        return b == self.plan.num_buckets or (b > 0 and b % self.every == 0)
 
     def _next(self, b: int, voting: bool) -> _InFlight:
         """Bucket ``b``: posted ahead already, packed now, or (after a failure, with no vote to announce it
@@ -273,9 +276,23 @@ class SyncSession:
         return _InFlight(bucket, None)
 
     def _digest(self, bucket: Bucket | None) -> Future | None:
-        if self._hasher is None or bucket is None or not bucket.sends:
+        """Starts the digests of what this rank sends in ``bucket`` (in a thread: xxhash releases the GIL)."""
+        if self._hasher is None or bucket is None or not bucket.sdigests:
             return None
-        return self._hasher.submit(_vote.send_digests, self.plan, bucket.sends, True)
+        return self._hasher.submit(_vote.send_digests, self.plan, bucket.sends)
+
+    def _seal(self, b: int, bucket: Bucket | None, sums: Future | None) -> None:
+        """Writes the digests of what this rank sends in bucket ``b`` into the tensors they are sent from."""
+        if bucket is None or sums is None:
+            return
+        with self.tally.timing("check"):
+            try:
+                got = sums.result()
+            except Exception as e:  # sent as "not computed"; announced in the next vote
+                self._mine = self._failed(b, e)
+                return
+            for t, d in zip(bucket.sdigests, got, strict=True):
+                t.copy_(torch.tensor(d, dtype=torch.int64))
 
     def prepare(self, b: int) -> Bucket:
         """Packs bucket ``b``'s messages and sets its receives up (timed as ``pack``)."""
@@ -296,17 +313,23 @@ class SyncSession:
                 xs = side.recv(m, buf)
                 rtensors.append(xs)
                 ops += [Op(Kind.RECV, m.src, x) for x in xs]
-            return Bucket(ops, recvs, rbufs, packed, rtensors)
+            sops, sdigests = digest_ops(Kind.SEND, sends, side.device) if self.checksum else ([], [])
+            rops, rdigests = digest_ops(Kind.RECV, recvs, side.device) if self.checksum else ([], [])
+            return Bucket(ops + sops + rops, recvs, rbufs, packed, rtensors, sdigests, rdigests)
 
     def scratch(self, b: int) -> Bucket:
         """Bucket ``b`` of a rank that failed earlier: staging bytes of the planned sizes are sent and
         received (its peers post the same operations, and a wrong-size message never reaches the
         transport); nothing is unpacked."""
         ops: list[Op] = []
-        for kind, msgs in ((Kind.SEND, self.plan.sends(self.rank, b)), (Kind.RECV, self.plan.recvs(self.rank, b))):
+        sends, recvs = self.plan.sends(self.rank, b), self.plan.recvs(self.rank, b)
+        for kind, msgs in ((Kind.SEND, sends), (Kind.RECV, recvs)):
             for m, buf in zip(msgs, self.arena.slices(kind, b, msgs, self.side.device), strict=True):
                 peer = m.dst if kind == Kind.SEND else m.src
                 ops += [Op(kind, peer, buf[s.start:s.stop]) for s in self.plan.segments(m)]
+        if self.checksum:  # digests of 0: "not computed", never checked
+            for kind, msgs in ((Kind.SEND, sends), (Kind.RECV, recvs)):
+                ops += digest_ops(kind, msgs, self.side.device)[0]
         return Bucket(ops, [], [], [], [])
 
     def post(self, bucket: Bucket | None, b: int) -> list:
@@ -338,25 +361,34 @@ class SyncSession:
             self._reach += 1
 
     def wait(self, b: int) -> None:
-        """Waits for the bucket on the wire (bucket ``b - 1``) under the sync's deadline and alarm."""
+        """Waits for the bucket on the wire (bucket ``b - 1``) under the sync's deadline and alarm. A message
+        the transport refused for its length fails this rank (announced in the next vote), not the group."""
         handles = self._cur.handles or []
         if handles:
             with self.tally.timing("wait"):
-                self.transport.wait(handles, deadline=self.deadline, alarm=self.alarm,
-                                    what=f"bucket {b}/{self.plan.num_buckets}", rank=self.rank)
+                try:
+                    self.transport.wait(handles, deadline=self.deadline, alarm=self.alarm,
+                                        what=f"bucket {b}/{self.plan.num_buckets}", rank=self.rank)
+                except WrongLength as e:
+                    if self._mine.code == Code.OK:
+                        self._mine = self._refused(b - 1, e)
 
-    def cast(self, b: int, bucket: Bucket | None, sums: Future | None) -> _Ballot:
+    def _refused(self, b: int, e: WrongLength) -> Status:
+        log.error("rank %d refused a message of bucket %d: %s", self.rank, b + 1, e)
+        first = next((m.pieces[0][0] for m in self.plan.recvs(self.rank, b) if m.src == e.peer and m.pieces), -1)
+        return Status(Code.LENGTH, b, e.peer, first, str(e))
+
+    def cast(self, b: int, bucket: Bucket | None) -> _Ballot:
         """Posts this rank's row of the vote on bucket ``b`` (``num_buckets``: the final ack)."""
         with self.tally.timing("vote"):
             length = _vote.row_length(self.plan, b, self.ranks)
-            row = _vote.make_row(self.plan, b, length, self._mine, bucket.sends if bucket is not None else [],
-                                 self.checksum, sums.result() if sums is not None else None)
+            row = _vote.make_row(self.plan, length, self._mine, bucket.sends if bucket is not None else [],
+                                 self.checksum)
             table = [torch.empty_like(row) for _ in self.ranks]
             return _Ballot(dist.all_gather(table, row, group=self.group, async_op=True), table)
 
-    def count(self, b: int, ballot: _Ballot) -> dict[tuple[int, int], int]:
-        """Waits for the vote on bucket ``b``; raises the verdict's SyncError, else returns the digests
-        announced for what this rank receives in it."""
+    def count(self, b: int, ballot: _Ballot) -> None:
+        """Waits for the vote on bucket ``b``; raises the verdict's SyncError."""
         nb = self.plan.num_buckets
         with self.tally.timing("vote"):
             what = f"the vote on bucket {b + 1}/{nb}" if b < nb else "the final ack"
@@ -369,15 +401,16 @@ class SyncSession:
             failure = _vote.verdict(self.plan, b, self.ranks, ballot.table)
             if failure is not None:
                 raise SyncError(_vote.describe(self.plan, self.rank, failure))
-            return _vote.expected_digests(self.plan, b, self.rank, self.ranks, ballot.table) if b < nb else {}
 
     def finish(self, b: int) -> None:
         """Checks the digests of bucket ``b`` (on the wire until now, arrived), then unpacks it."""
         bucket = self._cur.bucket
         if bucket is None or self._mine.code != Code.OK:
             return
-        with self.tally.timing("check"):
-            self._mine = _vote.check_received(self.plan, bucket.recvs, bucket.rtensors, b, self._expected)
+        if bucket.rdigests:
+            with self.tally.timing("check"):
+                expected = _vote.announced(bucket.recvs, bucket.rdigests)
+                self._mine = _vote.check_received(self.plan, bucket.recvs, bucket.rtensors, b, expected)
         if self._mine.code != Code.OK:
             return
         with self.tally.timing("unpack"):

@@ -10,7 +10,17 @@ Rules a transport keeps (the protocol relies on them):
 
 * per (sender, receiver) pair, the ``k``-th send matches the ``k``-th receive, in posting order;
   both sides post the same segments in the same order (``BridgePlan.segments``), so sizes match;
-* ``post`` returns at once (one handle per operation); the bytes of a receive are defined only
+* lengths: a receive completes only with a message of exactly its length. A transport never
+  lets a message of another length (shorter, longer, or one more or fewer message in a bucket)
+  land in a receive's ``buf``, and never lets one end a process (gloo aborts the receiving
+  process on a message longer than the buffer posted for it, so ``GlooTransport`` sends each
+  bucket's lengths per peer ahead of the payload and posts no payload receive for a peer whose
+  lengths differ). Where the transport could take the wrong message in and drop it (so the
+  pair stays usable), ``wait`` completes every other handle, then raises ``WrongLength``
+  naming the peer and both lengths: the session fails only this rank's part of the sync, which
+  the next vote tells every rank, and the group stays usable. Where it could not, ``wait``
+  raises ``SyncError`` like any transport failure;
+* ``post`` returns at once (handles, opaque to the session); the bytes of a receive are defined only
   once ``wait`` returned for it, and a send's buffer may be reused only then;
 * ``wait`` blocks until every handle completed or the deadline passed, and runs its blocking part
   through ``alarm.run`` so that a rank hears another rank's alarm; every failure is a
@@ -40,7 +50,7 @@ import torch
 
 from bridge.wire.alarm import SyncAlarm
 
-__all__ = ["Kind", "Op", "Transport"]
+__all__ = ["Kind", "Op", "Transport", "WrongLength"]
 
 
 class Kind(enum.IntEnum):
@@ -66,6 +76,17 @@ class Op(NamedTuple):
         return self.buf.numel() * self.buf.element_size()
 
 
+class WrongLength(Exception):
+    """What arrived from ``peer`` in a bucket differs in length from the receives posted for it: ``expected``
+    and ``announced`` describe both (bytes in operations); none of the bytes that arrived were kept, and
+    the transport can serve the rest of the sync (raised by ``Transport.wait`` once every handle completed).
+    """
+
+    def __init__(self, peer: int, expected: str, announced: str) -> None:
+        super().__init__(f"{announced} arrived from rank {peer} where the plan has {expected}")
+        self.peer, self.expected, self.announced = peer, expected, announced
+
+
 @runtime_checkable
 class Transport(Protocol):
     """Moves a sync's payload: the operations of one bucket at a time (see the module docstring).
@@ -78,12 +99,13 @@ class Transport(Protocol):
     def name(self) -> str: ...
 
     def post(self, ops: Sequence[Op]) -> list[Any]:
-        """Posts every operation of a bucket at once; returns one handle per operation, in order."""
+        """Posts every operation of a bucket at once; returns the handles to pass to ``wait``."""
         ...
 
     def wait(self, handles: Sequence[Any], *, deadline: float, alarm: SyncAlarm, what: str, rank: int) -> None:
         """Waits for ``handles`` until ``deadline`` (``time.monotonic()`` seconds), hearing ``alarm``;
-        raises ``SyncError`` ("rank {rank}: {what} ...") on any failure."""
+        raises ``WrongLength`` where a message of another length arrived and was dropped (the rest
+        completed), ``SyncError`` ("rank {rank}: {what} ...") on any other failure."""
         ...
 
     def abort(self) -> None:

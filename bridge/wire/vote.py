@@ -1,20 +1,25 @@
 """Votes: what every rank announces before a bucket's payload moves (torch, never jax).
 
-Before the payload of a voted bucket ``b`` is posted (every bucket when digests are on,
-else every ``vote_every(plan)`` buckets, then the final ack), every rank
-contributes one fixed-length int64 row to an ``all_gather`` (the vote): its status (ok,
-or what failed on it and where, in this bucket or since the last vote), and, for every
-segment it sends in ``b``, the byte count it is about to send, then an xxh3-64 digest of
-every piece. Every rank then reaches the same verdict from the same table:
+Before the payload of a voted bucket ``b`` is posted (every ``vote_every(plan)`` buckets, then
+the final ack), every rank contributes one fixed-length int64 row to an ``all_gather`` (the
+vote): its status (ok, or what failed on it and where, in this bucket or since the last vote),
+and, for every segment it sends in ``b``, the byte count it is about to send. Every rank then
+reaches the same verdict from the same table:
 
 * a rank reported a failure (an exception while packing or unpacking, a message of the
-  wrong size found by its sender, corrupt data in an earlier bucket): every rank raises
-  ``SyncError`` naming it, the bucket and, for a size or checksum failure, the tensor;
+  wrong size found by its sender, a message of the wrong length refused by its receiver's
+  transport, corrupt data found by a receiver's digests): every rank raises ``SyncError``
+  naming it, the bucket and, for a size, length or checksum failure, the tensor;
 * a sender's byte count differs from the plan's: every rank raises ``SyncError``
   naming the sender, the bucket and the tensor, and no payload of the bucket is
-  posted, so a wrong-size message never reaches gloo (which would abort the process);
-* otherwise every rank posts the bucket; receivers check each piece's digest once it
-  arrived and report a mismatch in the next vote (the last vote is the final ack).
+  posted, so a wrong-size message never reaches the transport;
+* otherwise every rank posts the bucket.
+
+Digests (checksums on) do not travel in votes: each message's sender sends the digests of its
+pieces right after the bucket's messages to that receiver, as one more operation per message, and
+the receiver checks them once the message arrived (``check_received``), reporting a mismatch in
+the next vote (the last vote is the final ack). So checksums change neither the votes nor
+their schedule.
 
 Row lengths come from the plan, which the handshake proved identical on every rank.
 """
@@ -33,12 +38,12 @@ from bridge.plan.bridge_plan import BridgePlan, Message
 from bridge.wire.digest import digest
 
 __all__ = ["Code", "Status", "Failure", "row_length", "make_row", "send_digests", "verdict", "digests",
-           "expected_digests", "check_received", "describe", "vote_every", "UNCHECKED", "VOTE_BYTES"]
+           "announced", "check_received", "describe", "vote_every", "UNCHECKED", "VOTE_BYTES"]
 
 TEXT_WORDS = 24  # 192 bytes of an error message travel with a failure status
 HEAD = 6 + TEXT_WORDS  # code, bucket, peer, move, checksummed, text length, text
 UNCHECKED = 0  # a digest of 0 means "not computed" (checksums off)
-VOTE_BYTES = 1 << 30  # without digests, a vote before at most this many bytes of buckets per rank
+VOTE_BYTES = 1 << 30  # a vote before at most this many bytes of buckets per rank
 
 
 class Code(enum.IntEnum):
@@ -48,6 +53,7 @@ class Code(enum.IntEnum):
     ERROR = 2  # an exception on this rank (packing, unpacking, staging)
     CHECKSUM = 3  # a received piece differs from what its sender announced
     SIZE = 4  # a sender's byte count differs from the plan (found by every rank from the table)
+    LENGTH = 5  # a receiver's transport refused a message whose length differs from the plan
 
 
 class Status(NamedTuple):
@@ -68,15 +74,14 @@ class Failure(NamedTuple):
 
 
 @functools.lru_cache(maxsize=64)
-def _layout(plan: BridgePlan, bucket: int, rank: int) -> tuple[int, int]:
-    """(segments, pieces) that ``rank`` sends in ``bucket``."""
-    msgs = plan.sends(rank, bucket)
-    return sum(len(plan.segments(m)) for m in msgs), sum(len(m.pieces) for m in msgs)
+def _segments(plan: BridgePlan, bucket: int, rank: int) -> int:
+    """How many segments ``rank`` sends in ``bucket``."""
+    return sum(len(plan.segments(m)) for m in plan.sends(rank, bucket))
 
 
 def row_length(plan: BridgePlan, bucket: int, ranks: Sequence[int]) -> int:
-    """The vote's row length for ``bucket``: the head plus the longest sender's counts and digests."""
-    return HEAD + max((sum(_layout(plan, bucket, r)) for r in ranks), default=0)
+    """The vote's row length for ``bucket``: the head plus the longest sender's byte counts."""
+    return HEAD + max((_segments(plan, bucket, r) for r in ranks), default=0)
 
 
 def digests(plan: BridgePlan, m: Message, tensors: Sequence[torch.Tensor],
@@ -92,27 +97,23 @@ def digests(plan: BridgePlan, m: Message, tensors: Sequence[torch.Tensor],
     return out
 
 
-def send_digests(plan: BridgePlan, sends: Sequence[tuple[Message, Sequence[torch.Tensor]]],
-                 checksum: bool) -> list[int]:
-    """The digest of every piece in ``sends``; ``UNCHECKED`` for a message whose segments are not as planned."""
-    sums: list[int] = []
+def send_digests(plan: BridgePlan, sends: Sequence[tuple[Message, Sequence[torch.Tensor]]]) -> list[list[int]]:
+    """Per message of ``sends``, the digest of every piece; ``UNCHECKED`` for a message whose segments are
+    not as planned (its sender reports that in the vote)."""
+    sums: list[list[int]] = []
     for m, tensors in sends:
         segs = plan.segments(m)
-        if checksum and len(tensors) == len(segs) and all(
+        if len(tensors) == len(segs) and all(
                 t.numel() * t.element_size() == s.stop - s.start for t, s in zip(tensors, segs, strict=True)):
-            sums += digests(plan, m, tensors)
+            sums.append(digests(plan, m, tensors))
         else:
-            sums += [UNCHECKED] * len(m.pieces)
+            sums.append([UNCHECKED] * len(m.pieces))
     return sums
 
 
-def make_row(plan: BridgePlan, bucket: int, length: int, status: Status,
-             sends: Sequence[tuple[Message, Sequence[torch.Tensor]]], checksum: bool,
-             sums: Sequence[int] | None = None) -> torch.Tensor:
-    """This rank's row: status, then per segment sent the byte count, then per piece the digest.
-
-    ``sums``: ``send_digests(plan, sends, checksum)`` if already computed (in another thread).
-    """
+def make_row(plan: BridgePlan, length: int, status: Status, sends: Sequence[tuple[Message, Sequence[torch.Tensor]]],
+             checksum: bool) -> torch.Tensor:
+    """This rank's row: status (and whether it sends digests), then per segment sent the byte count."""
     row = np.zeros(length, dtype=np.int64)
     text = status.text.encode()[:TEXT_WORDS * 8]
     row[:6] = (int(status.code), status.bucket, status.peer, status.move, int(checksum), len(text))
@@ -123,11 +124,7 @@ def make_row(plan: BridgePlan, bucket: int, length: int, status: Status,
             segs = plan.segments(m)
             counts += [t.numel() * t.element_size() for t in tensors[:len(segs)]]
             counts += [-1] * (len(segs) - len(tensors))  # a segment not sent at all
-        sums = send_digests(plan, sends, checksum) if sums is None else sums
-    else:
-        sums = []
     row[HEAD:HEAD + len(counts)] = counts
-    row[HEAD + len(counts):HEAD + len(counts) + len(sums)] = sums
     return torch.from_numpy(row)
 
 
@@ -156,20 +153,13 @@ def verdict(plan: BridgePlan, bucket: int, ranks: Sequence[int], table: Sequence
     return None
 
 
-def expected_digests(plan: BridgePlan, bucket: int, rank: int, ranks: Sequence[int],
-                     table: Sequence[torch.Tensor]) -> dict[tuple[int, int], int]:
-    """``{(sender rank, move): digest}`` of every piece ``rank`` receives in ``bucket``, as announced."""
-    rows = dict(zip(ranks, table, strict=True))
+def announced(recvs: Sequence[Message], sums: Sequence[torch.Tensor]) -> dict[tuple[int, int], int]:
+    """``{(sender rank, move): digest}`` of every piece of ``recvs``, from the digests that arrived after
+    each message (``sums``, one int64 tensor per message, a digest per piece in the message's order)."""
     out = {}
-    for src in {m.src for m in plan.recvs(rank, bucket)}:
-        row = rows[src].numpy()
-        nseg, _ = _layout(plan, bucket, src)
-        k = HEAD + nseg
-        for m in plan.sends(src, bucket):
-            for i, _ in m.pieces:
-                if m.dst == rank and row[4]:
-                    out[(src, i)] = int(row[k])
-                k += 1
+    for m, got in zip(recvs, sums, strict=True):
+        for (i, _), d in zip(m.pieces, got.tolist(), strict=True):
+            out[(m.src, i)] = int(d)
     return out
 
 
@@ -181,8 +171,8 @@ def check_received(plan: BridgePlan, recvs: Sequence[Message], tensors: Sequence
         like = {i: expected.get((m.src, i), UNCHECKED) for i, _ in m.pieces}
         got = digests(plan, m, xs, like) if any(like.values()) else []
         for (i, _), d in zip(m.pieces, got, strict=False):
-            want = expected.get((m.src, i), UNCHECKED)
-            if want != UNCHECKED and d != UNCHECKED and d != want:
+            want = like[i]
+            if want != UNCHECKED and d != want:
                 return Status(Code.CHECKSUM, bucket, m.src, i, "checksum mismatch")
     return Status()
 
@@ -199,6 +189,10 @@ def describe(plan: BridgePlan, rank: int, failure: Failure) -> str:
         return (f"rank {rank}: rank {who} received corrupt data from sender rank {s.peer} in {where}{piece}: its "
                 "checksum differs from the one the sender announced; nothing was committed. The group is still "
                 "usable: retry the sync.")
+    if s.code == Code.LENGTH:
+        return (f"rank {rank}: rank {who} refused a message of the wrong length from sender rank {s.peer} in "
+                f"{where}{piece}: {s.text}; none of its bytes were kept and nothing was committed. The group is "
+                "still usable: retry the sync.")
     if s.code == Code.SIZE:
         return (f"rank {rank}: sender rank {who} would send a message of the wrong size to rank {s.peer} in "
                 f"{where}{piece}: {s.text}; that message was not sent and nothing was committed. Run one bridge "
@@ -207,7 +201,7 @@ def describe(plan: BridgePlan, rank: int, failure: Failure) -> str:
 
 
 def vote_every(plan: BridgePlan) -> int:
-    """Without digests, the ranks vote before every this many buckets' payload (and in the final ack).
+    """The ranks vote before every this many buckets' payload (and in the final ack), checksums on or off.
 
     A failure between votes is announced in the next one: until then the failed rank sends and
     receives staging bytes of the planned sizes, and nothing is committed.

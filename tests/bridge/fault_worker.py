@@ -15,6 +15,10 @@ sync a transport that wraps the gloo one (``Faulty``: a fault on the wire or a d
 wraps ``torch.distributed.all_gather`` (the control traffic: the handshake, the votes). Names:
 
   flip               rank 0 flips a byte of a packed message after its digest was taken (bucket 2)
+  wire_{damage}      in transit, below the sender's own checks (the bytes of bucket 2 as they go to the
+                     transport, after packing and digests): ``truncate`` / ``extend`` the first message
+                     8 bytes, ``oversize`` it by 1 MiB, ``reorder`` (swap) the first two messages to one
+                     peer; with checksums on, or off where the name ends in ``_off``
   truncate / extend  rank 0's pack gives a segment 8 bytes short / long (bucket 2)
   drop               rank 0's pack leaves out the last segment of a message (bucket 2)
   extra              rank 0's pack gives one segment more than the plan has (64 bytes, bucket 2): a
@@ -44,7 +48,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import bridge  # noqa: E402
 from bridge.wire.gloo import GlooTransport  # noqa: E402
-from bridge.wire.transport import Kind  # noqa: E402
+from bridge.wire.transport import Kind, Op  # noqa: E402
+from bridge.wire.vote import vote_every  # noqa: E402
 from jreshard import Layout  # noqa: E402
 from tests.bridge.wire_worker import send, sender as wire_sender  # noqa: E402
 
@@ -73,6 +78,28 @@ def needs_rebuild(fault: str) -> bool:
     return fault.startswith(("kill_", "stall_"))
 
 
+def checksum(fault: str) -> bool:
+    """Whether the sync of ``fault`` runs with checksums (the default) or without."""
+    return not fault.endswith("_off")
+
+
+def _damage(fault: str, ops: list[Op]) -> list[Op]:
+    """``ops`` as an in-transit ``wire_*`` fault leaves them (the first send, or the first two to one peer)."""
+    first = next(k for k, op in enumerate(ops) if op.kind == Kind.SEND)
+    op = ops[first]
+    data = op.buf.reshape(-1).view(torch.uint8)
+    damage = fault.removeprefix("wire_").removesuffix("_off")
+    if damage == "truncate":
+        ops[first] = Op(op.kind, op.peer, data[:-8])
+    elif damage in ("extend", "oversize"):
+        ops[first] = Op(op.kind, op.peer, torch.cat([data, torch.zeros(8 if damage == "extend" else 1 << 20,
+                                                                       dtype=torch.uint8)]))
+    elif damage == "reorder":
+        second = next(k for k in range(first + 1, len(ops)) if ops[k].kind == Kind.SEND and ops[k].peer == op.peer)
+        ops[first], ops[second] = ops[second], ops[first]
+    return ops
+
+
 def stalled(fault: str) -> int | None:
     """The rank that ``fault`` stalls, if any."""
     return {"stall_sender": 0, "stall_ack": 2}.get(fault)
@@ -87,8 +114,7 @@ class Faulty(GlooTransport):
 
     def post(self, ops):
         self.posts += 1
-        self.on_post(self.posts, ops)
-        return super().post(ops)
+        return super().post(self.on_post(self.posts, list(ops)))
 
 
 def _fault(fault: str, rank: int, plan: bridge.BridgePlan, pack, dead: Path):
@@ -96,7 +122,8 @@ def _fault(fault: str, rank: int, plan: bridge.BridgePlan, pack, dead: Path):
     and an undo."""
     real_gather = dist.all_gather
     calls = {"gather": 0}
-    final_gather = plan.num_buckets + 2  # the handshake, one vote per bucket, then the final ack
+    every = vote_every(plan)  # the handshake, a vote every ``every`` buckets, then the final ack
+    final_gather = 2 + sum(b % every == 0 for b in range(1, plan.num_buckets))
     mine = victim(fault) == rank
 
     def die() -> None:
@@ -108,8 +135,11 @@ def _fault(fault: str, rank: int, plan: bridge.BridgePlan, pack, dead: Path):
             if fault == "flip" and rank == 0:
                 t = next(op.buf for op in ops if op.kind == Kind.SEND)
                 t[0] = t[0] ^ 0xFF
+            if fault.startswith("wire_") and rank == 0:
+                ops = _damage(fault, ops)
             if mine and fault.endswith("_mid"):
                 die()
+        return ops
 
     def gather(*args, **kwargs):
         calls["gather"] += 1
@@ -166,11 +196,11 @@ def main() -> None:
     params = {p.name: torch.zeros(p.shape, dtype=torch.bfloat16) for p in plan.param_map.for_rank(rank)}
     rec = None if rank == 0 else bridge.Receiver(plan, params, rank=rank, timeout=TIMEOUT, ready_timeout=60)
 
-    def sync(version: int, pack=None, transport=None) -> None:
+    def sync(version: int, pack=None, transport=None, digests: bool = True) -> None:
         if rank == 0:
             scaled = {k: a * version for k, a in arrays.items()}
             send(plan, pack or wire_sender(plan, scaled, 0.0), version=version, timeout=TIMEOUT, ready_timeout=60,
-                 checksum=True, transport=transport)
+                 checksum=digests, transport=transport)
         else:
             assert rec is not None
             rec.sync(transport=transport)
@@ -205,7 +235,7 @@ def main() -> None:
             pack, transport, undo = _fault(fault, rank, plan, wire_sender(plan, scaled, 0.0), out / f"dead{k}")
             t0 = time.perf_counter()
             try:
-                sync(v, pack, transport)
+                sync(v, pack, transport, checksum(fault))
                 events["faults"][fault] = {"ok": True}
             except bridge.SyncError as e:
                 events["faults"][fault] = {

@@ -6,13 +6,20 @@ into its pair's FIFO when posted, and a receive takes the next message of its pa
 the receive's own buffer: the "straight into the staging" path of the protocol). A rank that gives up
 (``abort``) is marked gone, so its peers' waits fail at once, as gloo's closed pairs make them.
 
-Faults (``Fault``), applied from this rank's ``post``-th ``post`` call on (1-based, its first send):
+Faults (``Fault``), applied from this rank's ``post``-th ``post`` call on (1-based, its first send), below
+the sender's own checks (after packing and digests, as the bytes go on the wire):
 
-  drop     the send never arrives
-  delay    every send from then on arrives ``seconds`` late, in order (a slow link)
-  short    the send arrives 8 bytes short
-  long     the send arrives 8 bytes long
-  reorder  the send arrives after the next send to the same peer
+  drop      the send never arrives
+  delay     every send from then on arrives ``seconds`` late, in order (a slow link)
+  truncate  the send arrives 8 bytes short
+  extend    the send arrives 8 bytes long
+  oversize  the send arrives with 1 MiB more
+  flip      a byte of the send arrives flipped (its length unchanged)
+  reorder   the send arrives after the next send to the same peer
+
+Lengths: a receive takes the next message of its pair and keeps its bytes only if the length is the
+receive's; a message of another length is taken off the queue and dropped, and ``wait`` raises
+``WrongLength`` once the other receives completed (the rule of ``bridge.wire.transport``).
 
 ``run_ranks`` runs one function per rank in threads, each on a gloo group of its own over one shared
 ``HashStore`` (registered as ``bridge.engines.group.open_group`` registers its groups, so the sync's
@@ -34,10 +41,10 @@ import torch.distributed as dist
 from bridge.errors import SyncError
 from bridge.wire.alarm import SyncAlarm, wait_failure
 from bridge.wire.group import forget_gloo_group, gloo_group
-from bridge.wire.transport import Kind, Op
+from bridge.wire.transport import Kind, Op, WrongLength
 from jreshard.core.args import check_int, check_seconds
 
-FAULTS = ("drop", "delay", "short", "long", "reorder")
+FAULTS = ("drop", "delay", "truncate", "extend", "oversize", "flip", "reorder")
 POLL = 0.01  # seconds between two looks at a pair's queue while waiting
 
 
@@ -102,10 +109,13 @@ class QueueTransport:
         kind = self.fault.kind
         if kind == "drop":
             return None
-        if kind == "short":
+        if kind == "truncate":
             return data[:-8]
-        if kind == "long":
-            return torch.cat([data, torch.zeros(8, dtype=torch.uint8)])
+        if kind in ("extend", "oversize"):
+            return torch.cat([data, torch.zeros(8 if kind == "extend" else 1 << 20, dtype=torch.uint8)])
+        if kind == "flip":
+            data[0] ^= 0xFF
+            return data
         if kind == "reorder":
             self._held[peer] = data
             return None
@@ -134,13 +144,15 @@ class QueueTransport:
         left = max(deadline - time.monotonic(), 0.001)
 
         def job() -> None:
-            for op in recvs:
-                self._receive(op, deadline, left, f"{what} with peer rank {op.peer}", rank)
+            refused = [e for op in recvs if (e := self._receive(op, deadline, left, f"{what} with peer rank {op.peer}",
+                                                                rank)) is not None]
+            if refused:
+                raise refused[0]
 
         if recvs:
             alarm.run(job, what)
 
-    def _receive(self, op: Op, deadline: float, left: float, what: str, rank: int) -> None:
+    def _receive(self, op: Op, deadline: float, left: float, what: str, rank: int) -> WrongLength | None:
         pair = self.hub.pair(op.peer, self.rank)
         while True:
             try:
@@ -152,10 +164,10 @@ class QueueTransport:
                                     "closed)") from None
                 if time.monotonic() >= deadline:
                     raise wait_failure(TimeoutError("nothing arrived"), deadline, left, what, rank) from None
-        if data.numel() != op.nbytes:
-            raise SyncError(f"rank {rank}: {what} failed: {data.numel()} bytes arrived for a receive of "
-                            f"{op.nbytes}; the transport delivered a message of the wrong size.")
+        if data.numel() != op.nbytes:  # dropped: none of its bytes land
+            return WrongLength(op.peer, f"{op.nbytes} bytes", f"{data.numel()} bytes")
         op.buf.view(-1).view(torch.uint8).copy_(data)
+        return None
 
     def abort(self) -> None:
         self.hub.gone.add(self.rank)

@@ -13,8 +13,8 @@ Phases:
            weights and version
   restart  every rank rebuilds the group, rank 7 replaced by a standby process (started with the
            others, --restart, so that its start-up overlaps theirs); the sync succeeds, the trainers
-           asking for digests (every rank, the forwarding receivers too, announces them; every
-           bucket is voted)
+           asking for digests (every rank, the forwarding receivers too, sends them after each
+           message, and every receiver checks them)
 
 Each rank records, per phase, its executor's byte counts (from its ``ExecutionStats``: bytes posted to
 ranks of another node); the test sums them and compares with the plan and with an independent lower

@@ -103,7 +103,11 @@ def test_a_survivor_with_no_operation_pending_with_the_dead_rank_hears_the_alarm
     sender, survivor = (json.loads((tmp_path / f"alarm{r}.json").read_text()) for r in (0, 2))
     assert sender["first_to_2"] > 1, sender  # rank 0 gives up before it sends anything to rank 2
     assert sender["ok"] is False and "killed" in sender, sender
-    assert survivor["ok"] is False, survivor
-    # gloo tells rank 2 nothing (its only peer, rank 0, is alive): without the alarm it raises at its deadline.
-    assert survivor["raised"] - sender["killed"] < 2.0 < ALARM_TIMEOUT, (survivor, sender)
-    assert "raised the sync's alarm (rank 0: " in survivor["message"], survivor
+    assert survivor["ok"] is False and survivor["unchanged"] is True, survivor
+    # gloo tells rank 2 nothing once the sync's payload moves (its only peer, rank 0, is alive), so it hears of the
+    # failure through the alarm, before its deadline (without the alarm it raises at the deadline, saying so). Where
+    # the kill comes while rank 2 still waits in the handshake's all_gather (a loaded machine), gloo reports rank 1's
+    # closed connection instead: which of the two comes first is a race, and either is a prompt failure.
+    said = survivor["message"]
+    assert "raised the sync's alarm (rank 0: " in said or "a peer's connection closed" in said, survivor
+    assert survivor["seconds"] < ALARM_TIMEOUT, survivor

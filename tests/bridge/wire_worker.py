@@ -109,7 +109,8 @@ def alarm_main(rank: int, port: int, out: str) -> None:
             bridge.Receiver(plan, params, rank=rank, timeout=ALARM_TIMEOUT).sync()
         events["ok"] = True
     except bridge.SyncError as e:
-        events.update(ok=False, message=str(e), raised=time.time(), seconds=time.perf_counter() - t0)
+        events.update(ok=False, message=str(e), raised=time.time(), seconds=time.perf_counter() - t0,
+                      unchanged=rank == 0 or all(not t.any() for t in params.values()))
     with open(os.path.join(out, f"alarm{rank}.json"), "w") as f:
         json.dump(events, f)
     # Rank 0 stays alive, its connections open, until rank 2 is done (a trainer that gave up goes on).
