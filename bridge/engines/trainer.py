@@ -107,15 +107,16 @@ class TrainerSync:
         variable ``JRESHARD_SYNC_SECRET``; without it, one trainer makes a new one, and several trainers
         under ``jax.distributed`` get rank 0's new one through jax's key-value store (the trainers'
         coordination service). Never shown in a ``repr`` or an error.
-      checksum: the ``Sender`` checksums every bucket (off by default; byte and segment
-        counts are always checked).
+      checksum: the ``Sender`` sends a digest of every piece, which the workers check before anything
+        is committed (on by default; ``False`` skips them: lengths are still checked, a flipped byte
+        is not).
     """
 
     def __init__(self, recipe: Recipe, *, workers: int, control: EngineControl | None = None,
                  rank: int | None = None, trainers: int | None = None, host: str = "127.0.0.1", port: int,
                  bucket_bytes: int = 16 << 20, timeout: float = 60.0, ready_timeout: float = 600.0,
                  secret: bytes | str | None = None,
-                 checksum: bool = False) -> None:
+                 checksum: bool = True) -> None:
         import jax
 
         if not isinstance(recipe, Recipe):
