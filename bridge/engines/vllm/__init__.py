@@ -13,8 +13,10 @@ Trainer side (JAX)::
 Only what is vLLM's lives here; the engine-generic sync is ``bridge.engines``'s. Modules:
 ``engine`` (the worker side: vLLM's four phases over ``bridge.engines.worker.WorkerSync``),
 ``model`` (the engine params of a live vLLM model and how new weights enter it),
-``client`` (``LLMClient``), ``trainer`` (``VLLMWeightSync``: ``bridge.engines.trainer.TrainerSync``
-driving vLLM's client; imports jax), ``plugin`` (the entry point), ``baselines`` (the bytes
+``client`` (``LLMClient``), ``http`` (``HTTPClient``: a ``vllm serve`` server over HTTP),
+``serve`` (``python -m bridge.engines.vllm.serve``: ``vllm serve`` with this backend),
+``trainer`` (``VLLMWeightSync``: ``bridge.engines.trainer.TrainerSync`` driving vLLM's client;
+imports jax), ``plugin`` (the entry point), ``baselines`` (the bytes
 vLLM's own backends move, for comparisons). See docs/vllm.md.
 """
 
@@ -25,9 +27,10 @@ from bridge.engines.vllm.client import LLMClient
 from bridge.recipes.recipe import Recipe
 from jreshard.core.lazy import lazy_attributes
 
-__all__ = ["EngineParam", "EngineShape", "LLMClient", "Recipe", "SyncReport", "VLLMWeightSync"]
+__all__ = ["EngineParam", "EngineShape", "HTTPClient", "LLMClient", "Recipe", "SyncReport", "VLLMWeightSync"]
 
-_LAZY = {"VLLMWeightSync": "bridge.engines.vllm.trainer", "SyncReport": "bridge.engines.trainer"}
+_LAZY = {"VLLMWeightSync": "bridge.engines.vllm.trainer", "SyncReport": "bridge.engines.trainer",
+         "HTTPClient": "bridge.engines.vllm.http"}
 
 
 __getattr__ = lazy_attributes('bridge.engines.vllm', _LAZY, globals=globals())
