@@ -22,17 +22,19 @@ from tests.vllm import _common as C  # noqa: E402
 
 
 def test_serve_args_add_the_backend_unless_a_config_is_given():
-    assert serve.serve_args(["/m", "--port", "8000"]) == [
-        "/m", "--port", "8000", "--weight-transfer-config", '{"backend": "jreshard"}']
-    own = ["/m", "--weight-transfer-config", '{"backend": "nccl"}']
+    assert serve.serve_args(["/m", "--host", "10.0.0.2"]) == [
+        "/m", "--host", "10.0.0.2", "--weight-transfer-config", '{"backend": "jreshard"}']
+    own = ["/m", "--host=127.0.0.1", "--weight-transfer-config", '{"backend": "nccl"}']
     assert serve.serve_args(own) == own
-    assert serve.serve_args(["/m", "--weight-transfer-config={}"]) == ["/m", "--weight-transfer-config={}"]
+    own = ["/m", "--host", "127.0.0.1", "--weight-transfer-config={}"]
+    assert serve.serve_args(own) == own
 
 
 @pytest.mark.parametrize("args, exc, pattern", [
     ("/m --port 8000", TypeError, "split it"),
     ([], ValueError, "start with the model"),
     (["--port", "8000"], ValueError, "start with the model"),
+    (["/m", "--port", "8000"], ValueError, "must name the interface to listen on"),
 ])
 def test_serve_args_refuse(args, exc, pattern):
     with pytest.raises(exc, match=pattern):

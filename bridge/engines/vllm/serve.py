@@ -15,8 +15,9 @@ three fixes that a plain ``vllm serve`` lacks for an RL server with this backend
 The backend itself reaches every vLLM process (API server, engine core, workers) through this
 package's ``vllm.general_plugins`` entry point (``bridge.engines.vllm.plugin``), which vLLM loads
 in each; the launcher checks that it is installed and allowed by ``VLLM_PLUGINS`` before starting.
-Everything the server exposes in development mode is a control channel (the trainers' job secret
-crosses it): bind it to a private interface (``--host``).
+In development mode the server's control routes answer anyone who reaches its port (vLLM's
+``--api-key`` guards only ``/v1``, ``/v2``, ``/inference`` and ``/cohere``), and the trainers' job
+secret crosses them: the launcher requires ``--host``, which should be a private interface.
 """
 
 from __future__ import annotations
@@ -40,13 +41,18 @@ def serve_args(args: Sequence[str]) -> list[str]:
 
     Raises:
       TypeError: ``args`` is a string, not a sequence of arguments.
-      ValueError: ``args`` has no model (``vllm serve`` takes it first).
+      ValueError: ``args`` has no model (``vllm serve`` takes it first) or no ``--host``.
     """
     if isinstance(args, str):
         raise TypeError(f"args must be a list of command-line arguments, got the string {args!r}; split it.")
     args = list(args)
     if not args or args[0].startswith("-"):
         raise ValueError(f"args must start with the model (a path or a Hugging Face name), got {args!r}.")
+    if not any(a == "--host" or a.startswith("--host=") for a in args):
+        raise ValueError("args must name the interface to listen on (--host): without it vllm serve listens on "
+                         "every interface, and in development mode its control routes (/init_weight_transfer_engine, "
+                         "/collective_rpc, ...) answer anyone, with or without --api-key. Pass --host with a private "
+                         "address (--host 0.0.0.0 to accept every interface).")
     if any(a == _CONFIG_FLAG or a.startswith(_CONFIG_FLAG + "=") for a in args):
         return args
     return [*args, _CONFIG_FLAG, json.dumps({"backend": BACKEND})]
