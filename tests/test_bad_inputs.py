@@ -3,10 +3,11 @@ pattern that names the argument (and so tells the user what to fix).
 
 Rows here cover the bridge's argument checks (``jreshard.core.args``), ``init_group``, ``reject_sync``,
 ``Receiver``, ``BridgePlan``, ``Source``, ``Rule``, ``tp_param_map``, ``trainer_mesh``,
-``source_id``, the planner's ``Mesh``, ``Layout``, ``plan``, ``plan_layouts`` and ``Box``, the
-fleet's degrees, catalog and scenarios, and the ``jreshard plan`` command line. More rows:
-tests/test_bad_inputs_bridge.py (bridge constructors, ``Sender``, sync-time inputs) and
-tests/test_bad_inputs_transfer.py (``jreshard.transfer``). No row reaches a process group:
+``source_id``, the planner's ``Mesh``, ``Layout``, ``plan``, ``plan_layouts`` and ``Box`` (sizes
+beyond int64 included), the fleet's degrees, catalog and scenarios, and the ``jreshard plan``
+command line. More rows: tests/test_bad_inputs_bridge.py (bridge constructors, ``Sender``,
+sync-time inputs), tests/test_bad_inputs_transfer.py (``jreshard.transfer``) and
+tests/test_bad_inputs_fleet.py (FP8 helpers; config, hardware and scenario files). No row reaches a process group:
 every check runs before one is needed.
 """
 
@@ -292,6 +293,21 @@ row("plan_layouts name int", lambda: plan_layouts([(1, L, L)]), TypeError, r"pai
 row("plan_layouts name twice", lambda: plan_layouts([("a", L, L), ("a", L, L)]), ValueError, "'a' appears twice")
 row("plan_layouts balance", lambda: plan_layouts([("a", L, L)], balance="x"), TypeError, "balance")
 row("plan_layouts dst", lambda: plan_layouts([("a", L, None)]), TypeError, "dst at 'a'")
+# sizes near 2**63: every count the planner makes must fit in int64
+BIG = 1 << 61  # elements; int16 tensors of 2**62 bytes
+row("Layout shard end beyond int64", lambda: Layout((2**63 - 1,), Mesh([0, 1], "x"), ("x",)), ValueError,
+    r"shape \(9223372036854775807,\): dim 0 .* split 2 ways gives chunks of 4611686018427387904")
+row("Layout shard end beyond int64, 3 ways", lambda: Layout((1, 2**63 - 1), Mesh([0, 1, 2], "x"), (None, "x")),
+    ValueError, "shape .*: dim 1 of 9223372036854775807 split 3 ways")
+row("Layout bytes beyond int64", lambda: Layout((BIG,), M, (), "float64"), ValueError,
+    "shape .* holds 18446744073709551616")
+row("plan bytes received beyond int64", lambda: plan(Layout((BIG,), M, (), "int16"), Layout((BIG,), M, (), "int16")),
+    ValueError, "src and dst are too large to plan in one call: .* sum to 18446744073709551616")
+row("plan tree bytes beyond int64", lambda: plan(*[{k: Layout((BIG,), Mesh([i], "x"), (), "int16") for k in "abc"}
+                                                  for i in (0, 1)]), ValueError, "sum to .* by tensor 'b'")
+row("plan_layouts bytes beyond int64", lambda: plan_layouts([(k, Layout((BIG // 2,), Mesh([0], "x"), (), "int32"),
+                                                              Layout((BIG // 2,), Mesh([1], "y"), (), "int32"))
+                                                             for k in ("a", "b")]), ValueError, "by tensor 'b'")
 
 # --- fleet: degrees, catalog, scenarios
 row("TrainParallel tp 0", lambda: TrainParallel(tp=0), ValueError, "TrainParallel.tp")
@@ -350,12 +366,31 @@ for flag, value, pattern in [
     ("--experts", "bogus", "--experts"),
     ("--gpus-per-domain", "x", "--gpus-per-domain"),
     ("--hierarchical", "sometimes", "--hierarchical"),
+    ("--gpus-per-domain", "0", "--gpus-per-domain 0: the GPUs of one NVLink domain must be a positive int"),
+    ("--gpus-per-domain", "-8", "--gpus-per-domain -8"),
 ]:
     argv = tuple(x for k, v in {**FLAGS, flag: value}.items() for x in (k, v))
     row(f"cli {flag} {value}", lambda a=argv: cli(*a), SystemExit, re.escape(pattern))
 row("cli scenario and flags", lambda: cli("qwen3-32b-fsdp8-to-tp4dp2", "--model", "llama-tiny"), SystemExit,
     "not both")
+row("cli scenario --gpus-per-domain 0", lambda: cli("qwen3-32b-fsdp8-to-tp4dp2", "--gpus-per-domain", "0"), SystemExit,
+    "--gpus-per-domain 0")
 row("cli missing --train", lambda: cli("--model", "llama-tiny", "--hardware", "dgx-h100"), SystemExit, "--train")
+
+
+def test_counts_up_to_int64_and_gpus_per_domain_still_work():
+    top = Layout((2**63 - 1,), Mesh([0], "x"), ("x",))
+    assert top.shard_box(0)[0].stop == 2**63 - 1
+    even = Layout((1 << 62,), Mesh([0, 1], "x"), ("x",), "int8")
+    assert plan(even, Layout((1 << 62,), Mesh([2], "y"), (), "int8")).stats().network_bytes == 1 << 62
+    import argparse
+
+    from jreshard.cli.plan import _scenario_from_args, add_plan_parser
+
+    parser = argparse.ArgumentParser()
+    add_plan_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["plan", "qwen3-32b-fsdp8-to-tp4dp2", "--gpus-per-domain", "4"])
+    assert _scenario_from_args(args).topology().gpus_per_domain == 4  # a scenario file takes the flag too
 
 
 def check_row(name, fn, exc, pattern):
@@ -366,9 +401,10 @@ def check_row(name, fn, exc, pattern):
 
 
 def test_rows_are_many_and_distinct():
-    from tests import test_bad_inputs_bridge, test_bad_inputs_transfer
+    from tests import test_bad_inputs_bridge, test_bad_inputs_fleet, test_bad_inputs_transfer
 
-    names = [r[0] for rows in (ROWS, test_bad_inputs_bridge.ROWS, test_bad_inputs_transfer.ROWS) for r in rows]
+    tables = (ROWS, test_bad_inputs_bridge.ROWS, test_bad_inputs_transfer.ROWS, test_bad_inputs_fleet.ROWS)
+    names = [r[0] for rows in tables for r in rows]
     assert len(names) == len(set(names)) and len(names) >= 200, len(names)
 
 

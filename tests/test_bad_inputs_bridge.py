@@ -1,7 +1,8 @@
 """Bad inputs of the bridge's constructors and sync-time inputs (rows as in tests/test_bad_inputs.py).
 
 ``Rule``, ``tp_param_map``, ``llama_param_map``, ``Param``, ``Region``, ``ParamMap``, ``BridgePlan``,
-``Receiver``, ``Sender`` and what ``Sender.sync`` is given. No row needs a process group: a
+``Receiver``, ``Sender`` and what ``Sender.sync`` and ``quantize_params`` are given (tracers and
+deleted arrays included). No row needs a process group: a
 ``Sender.sync`` whose own checks fail tries to announce it (``reject_sync``), finds no group,
 and raises the cause.
 """
@@ -13,6 +14,7 @@ import pytest
 
 import bridge
 from jreshard import Layout
+from jreshard.core.fp8 import Fp8Format
 from tests.test_bad_inputs import BP, PM, SRC, TM, check_row, recv
 
 R = bridge.Rule
@@ -69,6 +71,14 @@ for kw, exc, pat in [
     ({"dims": "a b -> c"}, ValueError, "dims"),
     ({"at": 1.5}, TypeError, "Rule 'w' at"),
     ({"at": -1}, ValueError, "Rule 'w' at"),
+    ({"name": "x{"}, ValueError, r"Rule 'w' name 'x\{' is not a valid template"),
+    ({"name": "x}"}, ValueError, r"Rule 'w' name 'x\}' is not a valid template"),
+    ({"name": "w.{0:d}"}, ValueError, r"Rule 'w' name 'w.\{0:d\}' has the field \{0:d\}"),
+    ({"name": "w.{0.real}"}, ValueError, r"Rule 'w' name .* has the field \{0.real\}"),
+    ({"name": "w.{1[0]}"}, ValueError, r"Rule 'w' name .* has the field \{1\[0\]\}"),
+    ({"name": "w.{!r}"}, ValueError, r"Rule 'w' name .* has the field \{!r\}"),
+    ({"name": "w.{layer!z}"}, ValueError, r"Rule 'w' name .* has the field \{layer!z\}"),
+    ({"dims": "i o -> e i o", "at": "{0:x}"}, ValueError, r"Rule 'w' at '\{0:x\}' has the field"),
 ]:
     row(f"Rule {kw}", lambda kw=kw: R(**{"pattern": "w", "name": "x", **kw}), exc, pat)
 
@@ -92,6 +102,10 @@ for kw, exc, pat in [
     ({"dtype": None}, TypeError, "dtype"),
     ({"strict": "no"}, TypeError, "strict"),
     ({"strict": None}, TypeError, "strict"),
+    ({"rules": [R("nope", "x")], "strict": False}, ValueError,
+     r"no trainer leaf matches any of the 1 rules .*\['nope'\].*strict=False skips"),
+    ({"rules": [], "strict": False}, ValueError, "no trainer leaf matches any of the 0 rules"),
+    ({"rules": [R("w.", "x"), R("v", "y")], "strict": False}, ValueError, "no trainer leaf matches any of the 2"),
 ]:
     args = {"source": SRC, "rules": RULES, "tp_ranks": [1], **kw}
     row(f"tp_param_map {kw}", lambda a=args: bridge.tp_param_map(a.pop("source"), a.pop("rules"), **a), exc, pat)
@@ -110,6 +124,8 @@ row("llama_param_map fused", lambda: llama(fused="yes"), TypeError, "fused")
 row("llama_param_map vocab_pad 0", lambda: llama(vocab_pad=0), ValueError, "vocab_pad")
 row("llama_param_map vocab_pad float", lambda: llama(vocab_pad=2.5), TypeError, "vocab_pad")
 row("llama_param_map dtype", lambda: llama(dtype="U2"), TypeError, "dtype")
+for v, exc in [("yes", TypeError), (2.0, TypeError), (None, TypeError), (0, ValueError), (-2, ValueError)]:
+    row(f"expert_rules ep {v!r}", lambda v=v: bridge.recipes.qwen3_moe.expert_rules(ep=v), exc, "ep must be")
 
 # --- Region / Param / ParamMap
 for kw, exc, pat in [
@@ -250,8 +266,42 @@ row("Sender.sync params wrong shape", lambda: sender().sync(jax_params((8, 4)), 
     r"params\['w'\] is \(8, 4\)")
 row("Sender.sync params numpy", lambda: sender().sync({"w": np.zeros((8, 6), np.float32)}, version=1), TypeError,
     r"params\['w'\] must be a jax.Array.*numpy.ndarray")
+row("Sender.sync inside jit", lambda: jax_jit(lambda x: sender().sync({"w": x}, version=1))(jax_params()["w"]),
+    TypeError, r"params\['w'\] is a tracer: Sender.sync must be called outside jax.jit")
+row("Sender.sync deleted array", lambda: sender().sync(deleted(jax_params()), version=1), ValueError,
+    r"params\['w'\] has been deleted")
+row("quantize_params deleted array", lambda: quantize_params(deleted(jax_params((8, 4))), fp8_map()), ValueError,
+    r"params\['w'\] has been deleted")
+row("quantize_params inside jit", lambda: jax_jit(lambda x: quantize_params({"w": x}, fp8_map()))(
+    jax_params((8, 4))["w"]), TypeError, r"params\['w'\] is a tracer: quantize_params must be called outside jax.jit")
 row("Sender.sync params wrong dtype", lambda: sender().sync(jax_params(dtype=np.int32), version=1), ValueError,
     r"params\['w'\] is \(8, 6\) int32")
+
+def jax_jit(fn):
+    import jax
+
+    return jax.jit(fn)
+
+
+def deleted(params):
+    """``params`` with every array deleted (as a donating jitted step leaves them)."""
+    for x in params.values():
+        x.delete()
+    return params
+
+
+def fp8_map():
+    """An FP8 param map of one (8, 4) leaf in 2 x 2 blocks on one TP rank."""
+    src = bridge.Source({"w": Layout((8, 4), TM, ("fsdp",), "float32")})
+    pm = bridge.tp_param_map(src, [R("w", "lin.weight", transpose=True)], [1])
+    return bridge.fp8_param_map(src, pm, Fp8Format(block=(2, 2)), quantize="lin.weight")
+
+
+def quantize_params(params, fp8):
+    from bridge.trainer.fp8 import quantize_params
+
+    return quantize_params(params, fp8)
+
 
 for who, call in [("Sender.sync", lambda g: sender().sync(jax_params(), version=1, group=g)),
                   ("Receiver.sync", lambda g: recv().sync(group=g)),
@@ -321,6 +371,21 @@ def test_numpy_ints_and_bools_pass_where_ints_and_bools_do():
     assert bridge.split_source_id(np.int64(1001001)) == (1, 1)
     assert Layout((np.int64(8), np.int32(6)), TM, ("fsdp",)).shape == (8, 6)
     assert region(offset=np.array([0, 0]), view=(np.int64(4), 2)).view == (4, 2)
+
+
+def test_numpy_ints_pass_as_ep_and_strict_false_maps_a_partial_tree():
+    from bridge.recipes.qwen3_moe import expert_rules, qwen3_moe_param_map
+    from jreshard.nn import MoeConfig, fsdp_spec, param_shapes
+
+    assert expert_rules(ep=np.int64(2)) == expert_rules(ep=True) == expert_rules(ep=np.True_)
+    assert expert_rules(ep=1) == expert_rules(ep=False)
+    cfg = MoeConfig.load("qwen3-moe-tiny")
+    src = bridge.Source.build(param_shapes(cfg), bridge.trainer_mesh((4,), "fsdp", [0, 1], 2), fsdp_spec)
+    assert qwen3_moe_param_map(cfg, src, [[2, 3], [4, 5]], ep=np.int64(2)) == qwen3_moe_param_map(
+        cfg, src, [[2, 3], [4, 5]], ep=2)
+    two = bridge.Source({"w": Layout((8, 6), TM, ("fsdp",), "float32"), "v": Layout((6,), TM, (), "float32")})
+    pm = bridge.tp_param_map(two, [R("w", "lin.{0}", transpose=True), R("nope", "x")], [1], strict=False)
+    assert [p.name for p in pm.for_rank(1)] == ["lin.w"]  # v matches no rule: skipped, w mapped
 
 
 @pytest.mark.parametrize(("name", "fn", "exc", "pattern"), ROWS, ids=[r[0] for r in ROWS])

@@ -1,8 +1,9 @@
 """Bad inputs of ``jreshard.transfer`` and ``jreshard.plan`` on jax arrays (rows as in tests/test_bad_inputs.py).
 
 Wrong kinds of params, targets, meshes and dtypes; bad ``max_bytes_in_flight``, ``transport``,
-``donate`` and ``plan``; a call inside ``jit``; arrays donated (deleted) by an earlier call; a
-target without an entry for a leaf (the message names the leaf's path). Every row fails
+``donate``, ``domains`` (devices jax lacks) and ``plan``; a target naming a mesh axis twice; a call
+inside ``jit``; arrays donated (deleted) by an earlier call; a target without an entry for a leaf
+(the message names the leaf's path); the JAX FP8 quantizer's format and arrays. Every row fails
 before anything moves.
 """
 
@@ -15,6 +16,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jreshard
 from jreshard import transfer
+from jreshard.core.fp8 import Fp8Format
+from jreshard.jax_executor import fp8
 from tests.test_bad_inputs import check_row
 
 DEVS = np.array(jax.devices()[:8])
@@ -90,6 +93,19 @@ for name, kw, exc, pat in [
     ("plan for another target", {"plan": jreshard.plan({"w": w()}, NamedSharding(SERVE, P("tp")))}, ValueError,
      "plan does not match params/target: for tensor 'w'"),
     ("plan for other leaves", {"plan": jreshard.plan({"v": w()}, S)}, ValueError, "plan does not match params"),
+    ("max_bytes_in_flight 2**70", {"max_bytes_in_flight": 2**70}, ValueError, "max_bytes_in_flight must be an int <="),
+    ("domains unknown devices", {"domains": [list(range(8)), [100, 101]]}, ValueError,
+     r"domains .* names devices \[100, 101\] that jax does not have"),
+    ("domains only unknown devices", {"domains": jreshard.Domains.from_groups([[100], [101]])}, ValueError,
+     r"names devices \[100, 101\] that jax does not have; its devices are \[0, 1"),
+    ("domains unknown devices with block", {"domains": [[0, 1], [99]], "dtype": "float8_e4m3fn", "block": (2, 2)},
+     ValueError, r"names devices \[99\]"),
+    ("target axis twice", {"target": P("tp", "tp"), "mesh": SERVE}, ValueError,
+     r"target at 'w' P\('tp', 'tp'\) uses mesh axis 'tp' twice"),
+    ("target axis twice in one entry", {"target": P(("dp", "dp")), "mesh": SERVE}, ValueError,
+     "target at 'w' .* uses mesh axis 'dp' twice"),
+    ("target axis twice in a tree", {"target": {"w": P(None, ("tp", "dp", "tp"))}, "mesh": SERVE}, ValueError,
+     "target at 'w' .* uses mesh axis 'tp' twice"),
 ]:
     row(f"transfer {name}", lambda kw=kw: tx(**kw), exc, pat)
 row("transfer unknown keyword", lambda: tx(bogus=1), TypeError, "bogus")
@@ -101,8 +117,39 @@ row("transfer donated twice", donated, ValueError, "params leaf at 'w' has been 
 row("plan jax balance", lambda: jreshard.plan({"w": w()}, S, balance="yes"), TypeError, "balance must be True or False")
 row("plan jax unknown keyword", lambda: jreshard.plan({"w": w()}, S, bogus=1), TypeError, "bogus")
 row("plan jax dtype", lambda: jreshard.plan({"w": w()}, S, dtype="U3"), TypeError, "dtype at 'w'")
+row("plan axis twice", lambda: jreshard.plan({"w": w()}, P("dp", "dp"), mesh=SERVE), ValueError,
+    "target at 'w' .* uses mesh axis 'dp' twice")
+row("plan inside jit", lambda: jax.jit(lambda x: (jreshard.plan({"w": x}, S), x)[1])(w()), TypeError,
+    "params leaf at 'w' is a tracer: .* must be called outside jax.jit")
+row("plan inside jit, list", lambda: jax.jit(lambda x: (jreshard.plan([x], S), x)[1])(w()), TypeError,
+    "params leaf at '0' is a tracer")
+row("plan deleted array", lambda: (lambda x: (x.delete(), jreshard.plan({"w": x}, S)))(w()), ValueError,
+    "params leaf at 'w' has been deleted")
+row("fp8 quantize deleted array", lambda: (lambda x: (x.delete(), fp8.quantize(x)))(w((8, 128))), ValueError,
+    "x has been deleted")
+row("fp8 quantize inside jit", lambda: jax.jit(lambda x: fp8.quantize(x)[0])(w((8, 128))), TypeError,
+    "x is a tracer: quantize must be called outside jax.jit")
+row("fp8 quantize fmt str", lambda: fp8.quantize(w(), "e4m3"), TypeError, "fmt must be an Fp8Format")
+row("fp8 scale_sharding fmt str", lambda: fp8.scale_sharding(S, (8, 4), "x"), TypeError, "fmt must be an Fp8Format")
+row("fp8 amax_reduce fmt tuple", lambda: fp8.amax_reduce(S, (8, 4), (2, 2)), TypeError, "fmt must be")
+row("fp8 transfer block beyond int64", lambda: tx(dtype="float8_e4m3fn", block=(1 << 64, 2)), ValueError,
+    "block sizes must be positive and fit in int64")
 row("plan ShapeDtypeStruct without sharding", lambda: jreshard.plan({"w": jax.ShapeDtypeStruct((8, 4), np.float32)},
                                                                      S), TypeError, "without a sharding")
+
+
+def test_refusals_leave_params_alive_and_good_inputs_still_work():
+    x = w()
+    for bad in ({"domains": [[0, 1, 2, 3, 4, 5, 6, 7], [100]]}, {"target": P("tp", "tp"), "mesh": SERVE}):
+        with pytest.raises(ValueError):
+            transfer({"w": x}, bad.pop("target", S), donate=True, **bad)
+        assert not x.is_deleted()  # refused before anything moved or was donated
+    out = transfer({"w": x}, S, domains=[[0, 1, 2, 3], [4, 5, 6, 7]], max_bytes_in_flight=2**63 - 1)
+    assert np.array_equal(out["w"], w())
+    big, whole = fp8.quantize(w((8, 8)), Fp8Format(block=(1 << 40, 4))), fp8.quantize(w((8, 8)), Fp8Format(
+        block=(None, 4)))  # a block larger than its dim is the whole dim
+    assert np.array_equal(np.asarray(big[1]), np.asarray(whole[1]))
+    assert np.array_equal(np.asarray(big[0]).view(np.uint8), np.asarray(whole[0]).view(np.uint8))
 
 
 def test_numpy_ints_pass_where_ints_do():
