@@ -375,3 +375,45 @@ def test_predict_layer_under_fp8():
     # 8 experts x 3 projections of 64 x 128: one FP8 byte each, and (8 x 16) float32 scales
     assert len(p.names) == 48 and p.nbytes == 24 * (64 * 128 + 8 * 16 * 4)
     assert p.network_copies() == pytest.approx((4.0, 4.0))
+
+
+def _mixed_model():
+    """Tensors of a few classes (replicated sources, so balancing chooses), interleaved by name."""
+    train = Mesh(np.arange(8).reshape(2, 2, 2), ("dp", "pp", "tp"))
+    serve = Mesh(np.arange(8, 24).reshape(4, 4), ("dp", "tp"))
+    kinds = [(Layout((64, 32), train, ("tp",), "bfloat16"), Layout((64, 32), serve, ("tp",), "bfloat16")),
+             (Layout((32, 64), train, (None, "tp"), "bfloat16"), Layout((32, 64), serve, (None, "tp"), "bfloat16")),
+             (Layout((48,), train, (), "float32"), Layout((48,), serve, (), "float32")),
+             (Layout((40, 8), train, ("pp",), "bfloat16"), Layout((40, 8), serve, ("tp",), "float8_e4m3fn"))]
+    names = [f"t{i:03d}" for i in range(41)]
+    return ({n: kinds[(i * 7) % 4][0] for i, n in enumerate(names)},
+            {n: kinds[(i * 7) % 4][1] for i, n in enumerate(names)})
+
+
+def test_predictions_by_class_equal_the_plans():
+    """compare predicts hierarchical delivery by class (no two-stage plan): the same figures as the plans give."""
+    src, dst = _mixed_model()
+    topo = Topology(gpus_per_domain=8, nvlink_GBps=900, network_GBps=50, latency_us=5, bucket_bytes=1024)
+    for overlap in (0, 2):
+        planned = cost.decide(src, dst, topo, overlap=overlap)
+        by_class = cost.decide(src, dst, topo, overlap=overlap, plans=False)
+        assert planned.two_stage is not None and by_class.two_stage is None and planned.hierarchical is not None
+        assert by_class.hierarchical == planned.hierarchical and by_class.direct == planned.direct
+    flat = cost.flat_direct(src, dst, topo)
+    assert flat == cost.predict_plan(jreshard.plan(src, dst, balance=False), topo)
+
+
+def test_plan_classes_is_the_plan_of_the_tensors_in_order():
+    src, dst = _mixed_model()
+    names = sorted(src)
+    pairs, of = [], []
+    for n in names:
+        if (src[n], dst[n]) not in pairs:
+            pairs.append((src[n], dst[n]))
+        of.append(pairs.index((src[n], dst[n])))
+    got = jreshard.core.planner.plan_classes(pairs, of)
+    want = jreshard.plan_layouts([(n, src[n], dst[n]) for n in names]).move_arrays()
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="order of their first tensor"):
+        jreshard.core.planner.plan_classes(pairs, [1, 0] + of)

@@ -86,9 +86,14 @@ def _groups(pairs: _Pairs) -> dict[GroupKey, np.ndarray]:
     return {key: order[bounds[g]:bounds[g + 1]] for key, g in keys.items()}
 
 
-def plan_leaves(leaves: list[Leaf], balance: bool = True) -> tuple[list[GroupRows], list[LeafRange]]:
-    """Plans every leaf; returns per-group rows and each leaf's range in them."""
-    pairs = _distinct(leaves)
+def plan_leaves(leaves: list[Leaf], balance: bool = True,
+                of: np.ndarray | None = None) -> tuple[list[GroupRows], list[LeafRange]]:
+    """Plans every leaf; returns per-group rows and each leaf's range in them.
+
+    ``of``: the leaves are given by class, leaf ``i`` being ``leaves[of[i]]``; classes must be
+    numbered in the order of their first leaf.
+    """
+    pairs = _distinct(leaves) if of is None else _Pairs(leaves, of, np.array([x.itemsize for x in leaves], np.int64))
     stages: list[_Stage] = []
     choices: list[Choice] = []
     fixed_load: dict[int, float] = {}  # sender -> bytes it must send whatever the balancing
@@ -112,7 +117,7 @@ def plan_leaves(leaves: list[Leaf], balance: bool = True) -> tuple[list[GroupRow
             chosen[c.group] = _Chosen(c.rows, senders)
 
     results: list[GroupRows] = []
-    group, start, stop = (np.zeros(len(leaves), np.int64) for _ in range(3))
+    group, start, stop = (np.zeros(len(pairs.of), np.int64) for _ in range(3))
     for gi, stage in enumerate(stages):
         rows, bounds = _assemble(stage, chosen.get(gi), splits.get(gi))
         group[stage.members], start[stage.members], stop[stage.members] = gi, bounds[:-1], bounds[1:]

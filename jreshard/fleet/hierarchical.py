@@ -36,8 +36,8 @@ from jreshard.core.args import check_int
 from jreshard.core.domains import Domains
 from jreshard.core.hierarchical import StagePart, TwoStagePlan, check_hierarchical
 from jreshard.core.layout import Layout
-from jreshard.core.planner import Plan, plan
-from jreshard.fleet.classes import class_rows, classes
+from jreshard.core.planner import Plan, plan, plan_classes
+from jreshard.fleet.classes import classes
 from jreshard.fleet.hardware import Topology
 from jreshard.fleet.traffic import Prediction, Traffic, plan_traffic, predict, predict_plan, rows_traffic
 
@@ -128,36 +128,37 @@ def _predict_stages(one: Traffic, two: Traffic | None, topo: Topology, overlap: 
     return dataclasses.replace(serial, seconds=min(serial.seconds, max(first.seconds, second.seconds) + drain))
 
 
-def _replicated(lay: Layout) -> bool:
-    """Whether some shard of ``lay`` has several holders (a planner may choose its sender)."""
-    return lay.grid.groups.shape[1] > 1
+def _by_tensor(ids: list[list[int]], of: np.ndarray) -> np.ndarray:
+    """``ids[c]`` (the parts of class ``c``) for each tensor in turn, tensor ``t`` being of class ``of[t]``."""
+    n = np.array([len(x) for x in ids], np.int64)
+    flat = np.array([i for x in ids for i in x], np.int64)
+    per = n[of]  # parts of each tensor
+    ends = np.cumsum(per)
+    within = np.arange(int(ends[-1]) if len(ends) else 0) - np.repeat(ends - per, per)
+    return flat[np.repeat((np.cumsum(n) - n)[of], per) + within]
 
 
 def _class_stages(src: Mapping[str, Layout], dst: Mapping[str, Layout],
-                  topo: Topology) -> tuple[Traffic, Traffic | None] | None:
-    """Both stages' loads, planned one tensor per class of shared layouts; ``None`` where a stage has replicas.
+                  topo: Topology) -> tuple[Traffic, Traffic | None]:
+    """Both stages' loads, planned by class of shared layouts (``jreshard.core.planner.plan_classes``).
 
-    Where no source of a stage is replicated, the planner has no sender to choose, so a
-    tensor's moves depend on its layouts alone and a class's moves count once per tensor
-    (``jreshard.fleet.classes``). Where one is, balancing weighs every tensor against the
-    others, and only the whole plan (``hierarchical_plan``) gives its loads.
+    The stages are the plans ``hierarchical_plan`` makes, balanced alike, tensor after tensor
+    and part after part, without a name or a Layout pair per part.
     """
     k = classes(src, dst)
-    one: list[tuple[Layout, Layout]] = []
-    two: list[tuple[Layout, Layout]] = []
-    n_one: list[int] = []
-    n_two: list[int] = []
-    for (s, d), n in zip(k.pairs, k.counts.tolist(), strict=True):
+    pairs: tuple[list[tuple[Layout, Layout]], list[tuple[Layout, Layout]]] = ([], [])
+    ids: tuple[list[list[int]], list[list[int]]] = ([], [])
+    for s, d in k.pairs:
+        mine: tuple[list[int], list[int]] = ([], [])
         for _, l1, final in _core.stage_parts(d, topo.domains):
-            one.append((s, l1))
-            n_one.append(n)
-            if final is not None:
-                two.append((l1, final))
-                n_two.append(n)
-    if any(_replicated(a) for a, _ in one + two):
-        return None
-    first = rows_traffic(*class_rows(one, np.array(n_one, np.int64))[:3], topo)
-    return first, rows_traffic(*class_rows(two, np.array(n_two, np.int64))[:3], topo) if two else None
+            for stage, pair in ((0, (s, l1)), (1, (l1, final))):
+                if pair[1] is not None:
+                    mine[stage].append(len(pairs[stage]))
+                    pairs[stage].append(cast(tuple[Layout, Layout], pair))
+        ids[0].append(mine[0])
+        ids[1].append(mine[1])
+    one = rows_traffic(*plan_classes(pairs[0], _by_tensor(ids[0], k.of))[:3], topo)
+    return one, rows_traffic(*plan_classes(pairs[1], _by_tensor(ids[1], k.of))[:3], topo) if pairs[1] else None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -181,9 +182,8 @@ def decide(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology,
     takes it when it is predicted faster than direct delivery. ``first``: a stage both
     deliveries run first (FP8's amax exchange), added to both predictions. ``overlap``: how the
     executor runs the two stages (``predict_two_stage``; ``0``, ``jreshard.transfer``: one after
-    the other). ``plans=False``: only the predictions are read (``compare``); where no stage
-    has a replicated source, the stages are predicted one tensor per class of shared layouts
-    and ``two_stage`` is ``None``.
+    the other). ``plans=False``: only the predictions are read (``compare``); the stages are
+    planned by class of shared layouts, with the same moves, and ``two_stage`` is ``None``.
 
     Example:
       >>> from jreshard import Layout, Mesh
@@ -205,11 +205,10 @@ def decide(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology,
     direct = after_first(predict_plan(p, topo))
     tsp, hier = None, None
     if hierarchical != "never" and has_domain_replicas(dst, topo):
-        stages = None if plans else _class_stages(src, dst, topo)
-        if stages is None:
+        if plans:
             tsp = hierarchical_plan(src, dst, topo, progress=progress)
             hier = after_first(predict_two_stage(tsp, topo, overlap=overlap))
         else:
-            hier = after_first(_predict_stages(*stages, topo, check_int("overlap", overlap)))
+            hier = after_first(_predict_stages(*_class_stages(src, dst, topo), topo, check_int("overlap", overlap)))
     take = hier is not None and (hierarchical == "always" or hier.seconds < direct.seconds)
     return Decision("hierarchical" if take else "direct", direct, hier, p, tsp)
