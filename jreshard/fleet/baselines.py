@@ -118,15 +118,28 @@ def pipelined_tree(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: T
         b = sizes[ts_a]
         for dm in np.unique(dom):
             members = holders[dom == dm]
-            n_m = len(members)
-            entry_i = ts_a % n_m
-            chain = members[(entry_i[:, None] + np.arange(n_m)) % n_m]  # [T, n_m]
-            bcast.add_edges(prev, chain[:, 0], b, np.ones(len(ts_a)), topo)
-            if n_m > 1:
-                bcast.add_edges(chain[:, :-1].ravel(), chain[:, 1:].ravel(), np.repeat(b, n_m - 1),
-                                np.ones(len(ts_a) * (n_m - 1)), topo)
-            prev = chain[:, -1]
+            prev = _chain(bcast, prev, ts_a % len(members), b, members, topo)
     return first + predict(bcast, topo)
+
+
+def _chain(bcast: Traffic, prev: np.ndarray, entry: np.ndarray, nbytes: np.ndarray, members: np.ndarray,
+           topo: Topology) -> np.ndarray:
+    """Adds each tensor's chain through ``members``, from ``prev`` in at ``members[entry]``; returns where it ends.
+
+    Tensors that come from the same device and enter at the same member follow the same
+    chain: its bytes and messages are added once per chain, not once per tensor.
+    """
+    n_m = len(members)
+    keys, inv = np.unique(prev * n_m + entry, return_inverse=True)
+    inv = inv.ravel()
+    b = np.bincount(inv, weights=nbytes, minlength=len(keys))
+    count = np.bincount(inv, minlength=len(keys)).astype(float)
+    chain = members[((keys % n_m)[:, None] + np.arange(n_m)) % n_m]  # [chains, n_m]
+    bcast.add_edges(keys // n_m, chain[:, 0], b, count, topo)
+    if n_m > 1:
+        bcast.add_edges(chain[:, :-1].ravel(), chain[:, 1:].ravel(), np.repeat(b, n_m - 1), np.repeat(count, n_m - 1),
+                        topo)
+    return members[(entry + n_m - 1) % n_m]
 
 
 def gather_broadcast(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology, *,

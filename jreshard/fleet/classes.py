@@ -46,9 +46,17 @@ class Classes(NamedTuple):
 def classes(src: Mapping[str, Layout], dst: Mapping[str, Layout], names: Iterable[str] | None = None) -> Classes:
     """The tensors ``names`` (default: all of ``src``, sorted) grouped by their pair of layouts."""
     names = sorted(src) if names is None else list(names)
+    # By identity first (cheap: a model's tensors share a few Layout objects), then by value.
+    by_id: dict[tuple[int, int], int] = {}
+    first: list[tuple[Layout, Layout]] = []
+    for n in names:
+        s, d = src[n], dst[n]
+        if by_id.setdefault((id(s), id(d)), len(first)) == len(first):
+            first.append((s, d))
+    of_id = np.fromiter((by_id[id(src[n]), id(dst[n])] for n in names), dtype=np.int64, count=len(names))
     index: dict[tuple[Layout, Layout], int] = {}
-    of = np.fromiter((index.setdefault((src[n], dst[n]), len(index)) for n in names), dtype=np.int64,
-                     count=len(names))
+    merge = np.array([index.setdefault(pair, len(index)) for pair in first], np.int64)
+    of = merge[of_id] if len(names) else of_id
     return Classes(names, list(index), of, np.bincount(of, minlength=len(index)))
 
 
