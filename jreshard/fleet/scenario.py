@@ -221,7 +221,8 @@ def load_scenario(spec: str | os.PathLike | Mapping, *, name: str | None = None,
         raise ScenarioError(f"{where}: field 'model' is missing; name one of {catalog.models()}.")
     model_spec = data["model"]
     try:
-        if isinstance(model_spec, str) and (model_spec.endswith(".json") or os.path.exists(model_spec)):
+        if (isinstance(model_spec, str) and model_spec not in catalog.models()
+                and (model_spec.endswith(".json") or os.path.exists(model_spec))):
             model = catalog.register_model(model_spec)  # a path: its own errors (missing, a folder, not JSON)
         else:
             model = catalog.get_model(model_spec)
