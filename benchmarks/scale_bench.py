@@ -14,7 +14,13 @@ Last, every published full-sync figure beside its prediction in the dtype it was
 measured in, and their ratio (``jreshard.fleet.calibration``, the table of
 docs/cost_model.md, "Calibration").
 
-Run: ``.venv/bin/python benchmarks/scale_bench.py [scenario ...]`` (about two minutes).
+First, the whole command: ``jreshard plan`` wall time from process start to exit and its
+peak memory, per scenario, for this tree and, beside it, for another one (``--before DIR``,
+a git worktree of an earlier commit, run with the same interpreter and that tree first on
+``PYTHONPATH``; the table prints which ``jreshard`` each ran). Runs alternate between the
+trees and the medians are printed, so that a busy machine slows both alike.
+
+Run: ``.venv/bin/python benchmarks/scale_bench.py [--before DIR] [--reps N] [scenario ...]``.
 """
 
 from __future__ import annotations
@@ -23,7 +29,12 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import json  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
 
 import jreshard  # noqa: E402
 from jreshard.core.layout import canonical_dtype  # noqa: E402
@@ -71,8 +82,76 @@ def print_calibration(rows: list[dict]) -> None:
                   f"{'' if met else '  (outside the goal: docs/cost_model.md says why)'}")
 
 
-def main(names: list[str]) -> None:
+# The child prints, last on stderr, which jreshard ran and its peak resident memory.
+_CHILD = ("import resource, sys\nfrom jreshard.__main__ import main\nrc = main(sys.argv[1:])\nimport jreshard\n"
+          "print(jreshard.__file__, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n"
+          "sys.exit(rc)")
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLAG_CASES = {"kimi-k2 fsdp=256 -> tp=8,dp=16 (flags)": ["--model", "kimi-k2", "--train", "fsdp=256", "--infer",
+                                                         "tp=8,dp=16", "--hardware", "gb200-nvl72"]}
+
+
+def _argv(tree: str, case: str, tmp: str) -> list[str]:
+    """``jreshard plan`` arguments for ``case`` in ``tree``; a scenario that tree lacks is given as files."""
+    if case in FLAG_CASES:
+        return FLAG_CASES[case]
+    if os.path.exists(os.path.join(tree, "jreshard", "data", "systems", case + ".json")):
+        return [case]
+    with open(os.path.join(HERE, "jreshard", "data", "systems", case + ".json")) as f:
+        data = json.load(f)
+    data["model"] = os.path.join(HERE, "jreshard", "data", "models", data["model"] + ".json")
+    path = os.path.join(tmp, case + ".json")
+    with open(path, "w") as f:
+        json.dump(data, f)
+    return [path]
+
+
+def _once(tree: str, argv: list[str]) -> tuple[float, float, str]:
+    """Wall seconds of one ``jreshard plan`` in a fresh interpreter, its peak RSS in MB, and which jreshard ran."""
+    env = {**os.environ, "PYTHONPATH": tree}
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", _CHILD, "plan", *argv], env=env, cwd=tree, capture_output=True,
+                          text=True)
+    wall = time.perf_counter() - t0
+    if done.returncode:
+        raise RuntimeError(f"jreshard plan {' '.join(argv)} in {tree} failed:\n{done.stderr[-2000:]}")
+    where, rss = done.stderr.strip().splitlines()[-1].rsplit(" ", 1)
+    return wall, int(rss) / 1024, where
+
+
+def wall_table(cases: list[str], before: str | None, reps: int) -> None:
+    """Medians of ``reps`` alternating runs of the whole command, this tree beside ``before``."""
+    trees = {"now": HERE, **({"before": before} if before else {})}
+    runs: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    ran: dict[str, str] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(reps):
+            for case in cases:
+                for label, tree in trees.items():
+                    wall, rss, ran[label] = _once(tree, _argv(tree, case, tmp))
+                    runs.setdefault((label, case), []).append((wall, rss))
+    print(f"\n`jreshard plan` wall time, process start to exit (median of {reps}, runs alternating); "
+          f"peak RSS;\n" + "".join(f"  {label}: {where}\n" for label, where in ran.items()) +
+          f"{'scenario':<44} {'now s':>7} {'before s':>9} {'x faster':>8} {'now MB':>7} {'before MB':>9}")
+    for case in cases:
+        now = runs[("now", case)]
+        old = runs.get(("before", case))
+        med = statistics.median(w for w, _ in now)
+        row = f"{case:<44} {med:>7.2f} "
+        if old:
+            old_med = statistics.median(w for w, _ in old)
+            row += f"{old_med:>9.2f} {old_med / med:>8.1f} "
+        else:
+            row += f"{'':>9} {'':>8} "
+        row += f"{max(r for _, r in now):>7.0f} " + (f"{max(r for _, r in old):>9.0f}" if old else "")
+        print(row)
+    print("goal: every scenario <= 2 s wall. The machine's load during the runs (1, 5, 15 min): "
+          + ", ".join(f"{x:.1f}" for x in os.getloadavg()))
+
+
+def main(names: list[str], before: str | None = None, reps: int = 3) -> None:
     print(banner("jreshard scale benchmark: whole models, every scenario"))
+    wall_table(names + list(FLAG_CASES), before, reps)
     rows = [run(n) for n in names]
     print(f"\n{'scenario':<38} {'tensors':>7} {'cold s':>7} {'best s':>7} {'warm ms':>8} {'moved TB':>9} "
           f"{'=LB':>4} {'max/mean':>8} {'max/bound':>9}  {'pred jreshard':>14} {'gather+bcast':>12} {'flat':>7} "
@@ -118,4 +197,11 @@ def main(names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or list(scenario.scenario_names()))
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("scenarios", nargs="*")
+    parser.add_argument("--before", help="a tree of an earlier commit (git worktree) to time beside this one")
+    parser.add_argument("--reps", type=int, default=3)
+    a = parser.parse_args()
+    main(a.scenarios or list(scenario.scenario_names()), a.before, a.reps)
