@@ -21,6 +21,7 @@ from jreshard.core.fp8 import BlockAmax, Fp8Format, block_amax, dequantize, quan
 from jreshard.core.fp8_blocks import quant_plan
 from jreshard.core.fp8_split import fp8_split, fp8_tp_split, scale_layout
 from jreshard.fleet import catalog
+from jreshard.fleet.fp8 import parse_block
 from jreshard.fleet.hardware import load_hardware
 from jreshard.fleet.scenario import ScenarioError, load_scenario
 from jreshard.nn import LlamaConfig, MoeConfig
@@ -70,6 +71,10 @@ for name, fn, exc, pat in [
      r"needs a tensor of at least as many dims, got shape \(4,\)"),
     ("scale_shape shape str", lambda: F.scale_shape("44"), TypeError, "shape must be a tuple of ints"),
     ("scale_shape shape float", lambda: F.scale_shape((4.5, 4)), TypeError, r"shape\[0\] must be an int"),
+    ("parse_block text beyond int64", lambda: parse_block("99999999999999999999999x2"), ValueError,
+     r"fp8_block\[0\] must be an int <= 9223372036854775807"),
+    ("cli --fp8-block beyond int64", lambda: cli(*_argv("--dtype", "float8_e4m3fn"), "--fp8-block", f"{1 << 64}x128"),
+     SystemExit, r"--fp8-block '18446744073709551616x128': fp8_block\[0\] must be an int <="),
 ]:
     row(name, fn, exc, pat)
 

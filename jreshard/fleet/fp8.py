@@ -71,7 +71,7 @@ def parse_block(spec: object, arg: str = "fp8_block") -> tuple[int | None, ...]:
         parts = text.split("x")
         if all(p.isdigit() and int(p) > 0 for p in parts) and len(parts) in (1, 2):
             sizes = [int(p) for p in parts]
-            return (sizes[0], sizes[-1])
+            return check_ints(arg, (sizes[0], sizes[-1]), minimum=1)  # sizes beyond int64 refused
     elif isinstance(spec, (list, tuple)) and len(spec) == 2:
         return check_ints(arg, spec, minimum=1)
     raise ValueError(f"{arg} must be two positive block sizes ('128x128', [128, 128]), one ('128'), 'tensor' or "
