@@ -12,10 +12,16 @@ two worker processes. Side by side on the same engine:
   nccl_m2n   bytes only, from the plan: direct shards for one-to-one params, full tensors for
              every fused param (qkv_proj, gate_up_proj, w13_weight, w2_weight)
 
+With ``--serve``, then the same syncs into a ``vllm serve`` server (``python -m
+bridge.engines.vllm.serve``, TP2 on 127.0.0.1) driven over HTTP (``bridge.engines.vllm.HTTPClient``),
+after the in-process engine has shut down: the sync's time and what its control calls cost (the
+phases that move no weights: ``/pause``, ``/start_weight_update``, ``/finish_weight_update``,
+``/resume``) beside the same calls on the in-process engine.
+
 Then, from the planner alone, bytes per worker for Qwen3-32B and Qwen3-235B-A22B at vLLM TP8.
 Goals: bytes per worker equal the lower bound; jreshard at least 2x faster than nccl-like.
 
-Usage: python benchmarks/vllm_bench.py [--small] [--reps 3] [--planner-only]
+Usage: python benchmarks/vllm_bench.py [--small] [--reps 3] [--serve] [--planner-only]
 (in an environment with vLLM; the nccl-like baseline runs a function on the workers, so it sets
 VLLM_ALLOW_INSECURE_SERIALIZATION=1 for the engine it starts).
 """
@@ -27,16 +33,18 @@ import contextlib
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections import defaultdict
 from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests._procs import free_ports  # noqa: E402 (the repository root is on the path)
+from tests._procs import free_ports, kill_all  # noqa: E402 (the repository root is on the path)
 from tests.helpers import hf_state  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -130,6 +138,102 @@ def timed_processing(model: Any, clock: dict[str, float]):
             del q.process_weights_after_loading
 
 
+# ------------------------------------------------------------------ vllm serve over HTTP
+CONTROL = ("pause_generation", "start_weight_update", "finish_weight_update", "resume_generation")
+
+
+class TimedClient:
+    """Forwards to a weight-sync client and adds each call's seconds to ``seconds[method]``."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.client, name)  # AttributeError where the client lacks it (no pausing)
+
+        def timed(*args: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return method(*args, **kw)
+            finally:
+                self.seconds[name] += time.perf_counter() - t0
+        return timed
+
+
+def start_server(model_dir: str, log_path: str) -> tuple[subprocess.Popen, str]:
+    """``python -m bridge.engines.vllm.serve`` (TP2, 127.0.0.1); returns it and its URL once it answers /health."""
+    import requests
+
+    port = free_ports(1)[0]
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "VLLM_ALLOW_INSECURE_SERIALIZATION")}
+    cmd = [sys.executable, "-m", "bridge.engines.vllm.serve", model_dir, "--host", "127.0.0.1", "--port", str(port),
+           "--served-model-name", "bench", "--tensor-parallel-size", "2", "--dtype", "float32", "--enforce-eager",
+           "--skip-tokenizer-init", "--max-model-len", "256", "--distributed-executor-backend", "mp"]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=os.path.dirname(HERE), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 900
+    while proc.poll() is None and time.monotonic() < deadline:
+        with contextlib.suppress(requests.RequestException):
+            if requests.get(f"{url}/health", timeout=5).ok:
+                return proc, url
+        time.sleep(1)
+    kill_all([proc])
+    with open(log_path) as f:
+        raise RuntimeError(f"vllm serve did not come up (exit {proc.poll()}):\n{f.read()[-4000:]}")
+
+
+def served(args: argparse.Namespace, cfg: Any, model_dir: str, params: Any, want: list[list[int]],
+           in_process: tuple[float, float]) -> None:
+    """The in-process run's syncs again, into ``vllm serve`` over HTTP; prints both rows."""
+    import requests
+
+    from bridge.engines.vllm import HTTPClient, Recipe, VLLMWeightSync
+    from tests.vllm._live import completions
+
+    log_path = os.path.join(model_dir, "serve.log")
+    t0 = time.perf_counter()
+    proc, url = start_server(model_dir, log_path)
+    try:
+        print(f"\nvllm serve up in {time.perf_counter() - t0:.0f} s ({url})", flush=True)
+        timed = TimedClient(HTTPClient(url))
+        sync = VLLMWeightSync(Recipe.llama(cfg), workers=2, client=timed, rank=0, trainers=1,
+                              port=free_ports(1)[0], timeout=300.0, ready_timeout=300.0)
+        t0 = time.perf_counter()
+        sync.connect(params)
+        sync.sync(params, 1)
+        first = time.perf_counter() - t0
+        totals, controls = [], []
+        for v in range(2, 2 + args.reps):
+            timed.seconds.clear()
+            t0 = time.perf_counter()
+            sync.sync(params, v)
+            totals.append(time.perf_counter() - t0)
+            controls.append(sum(timed.seconds[m] for m in CONTROL))
+        sync.close()
+        version = requests.get(f"{url}/weight_info", timeout=60).json()["weight_version"]
+        trips = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            requests.get(f"{url}/weight_info", timeout=60)
+            trips.append(time.perf_counter() - t0)
+        got = [c["tokens"] for c in completions(url, "bench", [[1, 2, 3, 4]], 8)]
+    except BaseException:
+        with open(log_path) as f:
+            print(f"--- vllm serve log\n{f.read()[-4000:]}")
+        raise
+    finally:
+        kill_all([proc])
+    print(f"\n{'sync (median of ' + str(args.reps) + ')':>42}{'control calls per sync':>26}")
+    print(f"{'jreshard, in process (LLMClient)':<34}{in_process[0]:>8.3f} s{in_process[1]:>24.4f} s")
+    print(f"{'jreshard, vllm serve (HTTPClient)':<34}{statistics.median(totals):>8.3f} s"
+          f"{statistics.median(controls):>24.4f} s   (first sync {first:.2f} s with group, hellos and plan)")
+    print(f"control calls: {', '.join(CONTROL)}; one HTTP round trip (GET /weight_info, median of 20): "
+          f"{statistics.median(trips) * 1e3:.1f} ms; the server reports version {version!r} "
+          f"(synced {1 + args.reps}); its greedy tokens equal the in-process engine's: {got == want}")
+
+
 # ------------------------------------------------------------------ the live run
 def live(args: argparse.Namespace) -> None:
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
@@ -180,7 +284,8 @@ def live(args: argparse.Namespace) -> None:
                             use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    sync = VLLMWeightSync(Recipe.llama(cfg), workers=2, client=LLMClient(llm), rank=0, trainers=1,
+    timed = TimedClient(LLMClient(llm))
+    sync = VLLMWeightSync(Recipe.llama(cfg), workers=2, client=timed, rank=0, trainers=1,
                           port=free_ports(1)[0], timeout=300.0, ready_timeout=300.0)
     t0 = time.perf_counter()
     sync.connect(params)  # the group, the hellos and the plan (every rank plans it once)
@@ -214,16 +319,17 @@ def live(args: argparse.Namespace) -> None:
     # The two methods take turns on the same engine, so that both see the same machine load.
     runs: dict[str, list[dict[str, Any]]] = {"jreshard": [], "nccl-like": []}
     for v in range(2, 2 + args.reps):
+        timed.seconds.clear()
         t0 = time.perf_counter()
         report = sync.sync(params, v)
         total, workers = time.perf_counter() - t0, [report.seconds[r] for r in sorted(report.bytes_received)]
         runs["jreshard"].append({"total": total, **report.seconds[0], "workers": workers,
+                                 "control": sum(timed.seconds[m] for m in CONTROL),
                                  "rest": total - report.seconds[0]["send"] - max(w["commit"] for w in workers)})
         runs["nccl-like"].append(baseline())
     after_baseline = greedy()
     sync.sync(params, 2 + args.reps)
     after_jreshard = greedy()
-    shutil.rmtree(tmp, ignore_errors=True)  # the saved model (the engine has loaded it)
 
     def med(method: str, key: str, worker: bool = False) -> float:
         """Median over runs; for worker phases, the slowest worker of each run."""
@@ -259,12 +365,19 @@ def live(args: argparse.Namespace) -> None:
           f"excluding each one's post-load processing: {(b - bp) / (j - jp):.2f}x "
           f"({b - bp:.3f} s vs {j - jp:.3f} s); the two leave the same greedy tokens: "
           f"{after_jreshard == after_baseline}")
+    if args.serve:  # one engine at a time: this one goes first
+        sync.close()
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        served(args, cfg, tmp, params, after_jreshard, (j, med("jreshard", "control")))
+    shutil.rmtree(tmp, ignore_errors=True)  # the saved model
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--small", action="store_true", help="a ~10 MB model (a quick check)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--serve", action="store_true", help="then the same syncs into vllm serve over HTTP")
     ap.add_argument("--planner-only", action="store_true")
     args = ap.parse_args()
     if not args.planner_only:
