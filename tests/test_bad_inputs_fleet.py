@@ -144,6 +144,9 @@ row("LlamaConfig.load unknown override", lambda: LlamaConfig.load("llama-tiny", 
     r"overrides \['bogus'\] that are not LlamaConfig fields")
 row("cli --model model_type unknown", lambda: cli(*_argv("--model", jfile("gpt9-cli.json", json.dumps(
     {**TINY, "model_type": "gpt9"})))), SystemExit, "--model '.*': config field 'model_type' is 'gpt9'")
+row("cli --model tensor beyond int64", lambda: cli(*_argv("--model", jfile("huge.json", json.dumps(
+    {**TINY, "model_type": "qwen3", "vocab_size": 1 << 62})))), SystemExit,
+    r"--model '.*': tensor 'model.embed_tokens.weight' of shape \(4611686018427387904, 16\) has more bytes")
 row("cli --model architecture and model_type disagree", lambda: cli(*_argv("--model", jfile("mixed.json", json.dumps(
     {**TINY, "architecture": "qwen3", "model_type": "qwen3_moe"})))), SystemExit,
     "--model '.*' name different architectures")

@@ -40,7 +40,7 @@ from collections.abc import Mapping
 from importlib import resources
 from typing import Any
 
-from jreshard.core.args import check_int
+from jreshard.core.args import INT64_MAX, check_int
 from jreshard.core.fp8 import Fp8Format
 from jreshard.core.jsonfile import read_json_object
 from jreshard.core.layout import Layout, canonical_dtype
@@ -229,6 +229,12 @@ def load_scenario(spec: str | os.PathLike | Mapping, *, name: str | None = None,
     except (TypeError, ValueError) as exc:
         raise _field_error(where, "model", exc) from None
     infos = catalog.tensors(model, experts="stacked")  # the degree checks need each kind of tensor once
+    first = {t.shape: t for t in reversed(infos)}.values()  # the first tensor of each shape
+    huge = next((t for t in first if math.prod(t.shape) * 16 > INT64_MAX), None)
+    if huge is not None:  # counted in bytes by the planner, in int64 (16: the widest element)
+        raise _field_error(where, "model", ValueError(
+            f"tensor {huge.name!r} of shape {huge.shape} has more bytes than the 2**63 - 1 a plan can count; "
+            "check the config's sizes."))
     train, train_gpus = _side(where, data, "train", _TRAIN, TrainParallel, infos)
     infer, infer_gpus = _side(where, data, "infer", _INFER, InferParallel, infos)
     if "hardware" not in data:
