@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 
 import bridge
+from bridge.recipes import Recipe
 from jreshard import Layout
 from jreshard.core.fp8 import Fp8Format
+from jreshard.nn import LlamaConfig
 from tests.test_bad_inputs import BP, PM, SRC, TM, check_row, recv
 
 R = bridge.Rule
@@ -124,6 +126,18 @@ row("llama_param_map fused", lambda: llama(fused="yes"), TypeError, "fused")
 row("llama_param_map vocab_pad 0", lambda: llama(vocab_pad=0), ValueError, "vocab_pad")
 row("llama_param_map vocab_pad float", lambda: llama(vocab_pad=2.5), TypeError, "vocab_pad")
 row("llama_param_map dtype", lambda: llama(dtype="U2"), TypeError, "dtype")
+GOOD = Recipe.llama(LlamaConfig.load("llama-tiny")).to_data()
+for name, data, exc, pat in [
+    ("list", [], TypeError, "data must be a mapping"),
+    ("missing key", {k: v for k, v in GOOD.items() if k != "expert_rules"}, ValueError,
+     r"data lacks \['expert_rules'\]"),
+    ("rules not a list", {**GOOD, "rules": "w"}, TypeError, r"data\['rules'\] must be a list"),
+    ("rule not a mapping", {**GOOD, "rules": [1]}, TypeError, r"data\['rules'\]\[0\] must be a mapping"),
+    ("rule unknown field", {**GOOD, "rules": [{**GOOD["rules"][0], "bogus": 1}]}, ValueError,
+     r"data\['rules'\]\[0\] has fields \['bogus'\]"),
+    ("tie_lm_head str", {**GOOD, "tie_lm_head": "no"}, TypeError, r"data\['tie_lm_head'\] must be True or False"),
+]:
+    row(f"Recipe.from_data {name}", lambda d=data: Recipe.from_data(d), exc, pat)
 for v, exc in [("yes", TypeError), (2.0, TypeError), (None, TypeError), (0, ValueError), (-2, ValueError)]:
     row(f"expert_rules ep {v!r}", lambda v=v: bridge.recipes.qwen3_moe.expert_rules(ep=v), exc, "ep must be")
 

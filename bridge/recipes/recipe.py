@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from bridge.plan.rules import Rule
+from jreshard.core.args import check_flag
 
 __all__ = ["Recipe"]
 
@@ -35,7 +36,12 @@ def _rule_to_data(rule: Rule) -> dict[str, Any]:
     return out
 
 
-def _rule_from_data(data: Mapping[str, Any]) -> Rule:
+def _rule_from_data(data: Any, where: str) -> Rule:
+    if not isinstance(data, Mapping):
+        raise TypeError(f"{where} must be a mapping of Rule fields, got {type(data).__name__} {data!r}.")
+    unknown = sorted(set(data) - {f.name for f in dataclasses.fields(Rule)})
+    if unknown:
+        raise ValueError(f"{where} has fields {unknown} that Rule does not take; pass what Recipe.to_data() returns.")
     kw = dict(data)
     if isinstance(kw.get("transpose"), list):
         kw["transpose"] = tuple(kw["transpose"])
@@ -115,7 +121,17 @@ class Recipe:
     @classmethod
     def from_data(cls, data: Mapping[str, Any]) -> Recipe:
         """The recipe of ``to_data``'s plain data."""
-        def rules(key: str) -> tuple[Rule, ...]:
-            return tuple(_rule_from_data(r) for r in data[key])
+        keys = ("rules", "expert_rules", "ep_expert_rules", "tie_lm_head")
+        if not isinstance(data, Mapping):
+            raise TypeError(f"data must be a mapping (what Recipe.to_data() returns), got {type(data).__name__}.")
+        missing = [k for k in keys if k not in data]
+        if missing:
+            raise ValueError(f"data lacks {missing}; pass what Recipe.to_data() returns (keys {list(keys)}).")
 
-        return cls(rules("rules"), rules("expert_rules"), rules("ep_expert_rules"), bool(data["tie_lm_head"]))
+        def rules(key: str) -> tuple[Rule, ...]:
+            if not isinstance(data[key], (list, tuple)):
+                raise TypeError(f"data[{key!r}] must be a list of rules, got {type(data[key]).__name__}.")
+            return tuple(_rule_from_data(r, f"data[{key!r}][{i}]") for i, r in enumerate(data[key]))
+
+        tie = check_flag("data['tie_lm_head']", data["tie_lm_head"])
+        return cls(rules("rules"), rules("expert_rules"), rules("ep_expert_rules"), tie)
