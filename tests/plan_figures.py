@@ -3,7 +3,9 @@
 ``tests/data/plan_figures.json`` holds, per case, the ``--json`` report without its
 timings, and digests of the direct plan's per-device send and receive bytes. The
 cost model, the baselines and the presets may be made faster; these figures must not
-change. After a deliberate change of the model, record them again:
+change. The two hypothetical frontier scenarios were recorded by the same earlier code,
+given the scenario and model files. After a deliberate change of the model, record them
+again:
 
   .venv/bin/python -m tests.plan_figures
 """

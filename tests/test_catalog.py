@@ -17,7 +17,19 @@ TOTALS = [
     ("kimi-k2", True, 69975, 1026.4, 0.5),
     ("qwen3-235b-a22b", True, 36945, 235.1, 0.5),
     ("llama-tiny", True, 39, 0.0034, 0.0001),
+    # Hypothetical frontier configurations (docs/cost_model.md, "Frontier scale"): 2.8T and 2.4T quoted.
+    ("kimi-k3-hypothetical", True, 191347, 2808.3, 0.5),
+    ("qwen3.8-2.4t-a95b-hypothetical", True, 116103, 2433.8, 0.5),
 ]
+
+
+def test_hypothetical_qwen_active_parameters():
+    """93.4B active: everything but the routed experts, plus 12 of the 384 experts of each layer."""
+    infos = catalog.tensors("qwen3.8-2.4t-a95b-hypothetical")
+    cfg = catalog.get_model("qwen3.8-2.4t-a95b-hypothetical")
+    experts = sum(t.size for t in infos if t.is_expert)
+    active = catalog.num_params(infos) - experts + experts * cfg["num_experts_per_tok"] // cfg["num_experts"]
+    assert round(active / 1e9, 1) == 93.4
 
 
 @pytest.mark.parametrize("model, mtp, count, billions, tol", TOTALS)
