@@ -142,6 +142,11 @@ class _ExpertMeshes(NamedTuple):
         owners = tuple(Mesh(grid[:, r], names[:1] + names[2:]) for r in range(ep))
         return cls(Mesh(grid, names), owners, "fsdp" if fsdp > 1 else None, "etp" if etp > 1 else None)
 
+    def key(self, info: TensorInfo, num_experts: int, dtype: str) -> tuple:
+        """What ``layout`` depends on: tensors with equal keys have equal layouts."""
+        owner = None if info.stacked else _expert_owner(int(info.expert or 0), num_experts, len(self.owners))
+        return (info.shape, info.role == "column", info.stacked, owner, dtype)
+
     def layout(self, info: TensorInfo, num_experts: int, dtype: str, make: Any = Layout) -> Layout:
         """``info``'s layout: stacked ``[E, ...]`` over all ep ranks, else on its expert's ep rank."""
         inner: tuple = (self.etp, None) if info.role == "column" else (None, self.etp)
@@ -156,13 +161,8 @@ class _ExpertMeshes(NamedTuple):
 
 
 def _num_experts(infos: Sequence[TensorInfo]) -> int:
-    n = 0
-    for t in infos:
-        if t.stacked:
-            n = max(n, t.shape[0])
-        elif t.expert is not None:
-            n = max(n, t.expert + 1)
-    return n
+    stacked = max((t.shape[0] for t in infos if t.stacked), default=0)
+    return max(stacked, max((t.expert for t in infos if t.expert is not None and not t.stacked), default=-1) + 1)
 
 
 def _tp_dim(info: TensorInfo) -> int | None:
@@ -264,11 +264,14 @@ def train_layouts(infos: Sequence[TensorInfo], par: TrainParallel, devices: Iter
     out: dict[str, Layout] = {}
     cache: dict[tuple, tuple] = {}
     make = _Layouts()
+    by_key: dict[tuple, Layout] = {}  # expert layouts by (stage, _ExpertMeshes.key)
     for t in infos:
         s = _stage(t, layer_stage, par.pp)
         dt = dtype or t.dtype
         if t.is_expert:
-            out[t.name] = experts[s].layout(t, n_exp, dt, make)
+            key = (s, *experts[s].key(t, n_exp, dt))
+            lay = by_key.get(key)
+            out[t.name] = lay if lay is not None else by_key.setdefault(key, experts[s].layout(t, n_exp, dt, make))
         else:
             key = (t.role, len(t.shape))
             spec = cache.get(key)
@@ -303,17 +306,23 @@ def infer_layouts(infos: Sequence[TensorInfo], par: InferParallel, devices: Iter
     tp = "tp" if par.tp > 1 else None
     out: dict[str, Layout] = {}
     make = _Layouts()
+    by_key: dict[tuple, Layout] = {}  # by _ExpertMeshes.key, or a dense tensor's kind
     for t in infos:
         dt = dtype or t.dtype
         if t.is_expert and experts is not None:
-            out[t.name] = experts.layout(t, n_exp, dt, make)
+            key = experts.key(t, n_exp, dt)
+            lay = by_key.get(key)
+            out[t.name] = lay if lay is not None else by_key.setdefault(key, experts.layout(t, n_exp, dt, make))
         elif t.stacked:
             out[t.name] = make(t.shape, mesh, (None, tp, None) if t.role == "column" else (None, None, tp), dt)
+        elif (t.shape, t.role, t.heads, t.replicate_heads, dt) in by_key:
+            out[t.name] = by_key[t.shape, t.role, t.heads, t.replicate_heads, dt]
         else:
             replicas = _head_replicas(t, par.tp)
             m = head_mesh.get(replicas)
             if m is None:
                 m = head_mesh[replicas] = Mesh(ids.reshape(par.dp, par.tp // replicas, replicas),
                                                ("dp", "tp", "tp_replica"))
-            out[t.name] = make(t.shape, m, _dense_spec(t, tp, None), dt)
+            out[t.name] = by_key[t.shape, t.role, t.heads, t.replicate_heads, dt] = make(
+                t.shape, m, _dense_spec(t, tp, None), dt)
     return out
