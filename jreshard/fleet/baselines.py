@@ -44,7 +44,7 @@ import numpy as np
 
 from jreshard.core.layout import Layout
 from jreshard.core.mesh import Mesh
-from jreshard.fleet.classes import class_rows, classes
+from jreshard.fleet.classes import Classes, class_rows, classes
 from jreshard.fleet.hardware import Topology
 from jreshard.fleet.traffic import Prediction, Traffic, check_pair, predict, rows_traffic
 
@@ -70,23 +70,32 @@ def _rider_bytes(names: list[str], dst: Mapping[str, Layout], riders: Mapping[st
     return np.array([extra.get(n, 0) for n in names], dtype=float)
 
 
+def _without(src: Mapping[str, Layout], dst: Mapping[str, Layout], riders: Mapping[str, str],
+             by_class: Classes | None) -> Classes:
+    """The classes of every tensor but the riders (which travel in their hosts' collectives)."""
+    if by_class is not None:
+        return by_class.without(riders)
+    return classes(src, dst, sorted(n for n in src if n not in riders))
+
+
 def _holders(lay: Layout) -> np.ndarray:
     """The devices of ``lay``'s mesh that hold a non-empty shard."""
     return np.array([d for d in lay.mesh.device_ids if math.prod(lay.shard_shape(d)) > 0], np.int64)
 
 
 def pipelined_tree(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology, *,
-                   riders: Mapping[str, str] | None = None) -> Prediction:
+                   riders: Mapping[str, str] | None = None, by_class: Classes | None = None) -> Prediction:
     """Predicted time of an ideal gather-then-broadcast: per-stage roots, one pipelined chain per tensor.
 
     A bound, not what a stack runs (``gather_broadcast`` is): the chains of all tensors
     share the links at once, as if every collective ran in parallel.
 
     ``riders`` maps a leaf to the leaf whose collective carries it (a scale to its weight).
+    ``by_class``: ``classes(src, dst)`` if already made.
     """
     check_pair(src, dst)
     riders = riders or {}
-    k = classes(src, dst, sorted(n for n in src if n not in riders))
+    k = _without(src, dst, riders, by_class)
     meshes: dict[int, Mesh] = {}
     roots = [_root_layout(s, meshes) for s, _ in k.pairs]
     traffic = Traffic.zeros(0)
@@ -143,7 +152,8 @@ def _chain(bcast: Traffic, prev: np.ndarray, entry: np.ndarray, nbytes: np.ndarr
 
 
 def gather_broadcast(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology, *,
-                     riders: Mapping[str, str] | None = None, overlap: bool = True) -> Prediction:
+                     riders: Mapping[str, str] | None = None, overlap: bool = True,
+                     by_class: Classes | None = None) -> Prediction:
     """Predicted time of gather-then-broadcast as RL stacks run it: through one training rank, in series.
 
     Every tensor is gathered whole onto the lowest training device (its pieces sent by their
@@ -165,7 +175,7 @@ def gather_broadcast(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo:
     """
     check_pair(src, dst)
     riders = riders or {}
-    k = classes(src, dst, sorted(n for n in src if n not in riders))
+    k = _without(src, dst, riders, by_class)
     meshes = {id(lay.mesh): lay.mesh for lay in src.values()}
     root = min(min(m.device_ids) for m in meshes.values())
     mesh = Mesh([root], ("root",))
@@ -201,9 +211,13 @@ def gather_broadcast(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo:
                       int(net_in + net_b), int(nvl_in + nvl_b), int(net_in), int(sizes.sum()), (g, b))
 
 
-def flat_direct(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology) -> Prediction:
-    """Predicted time of sending each missing piece from its first replica (no balancing)."""
+def flat_direct(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology, *,
+                by_class: Classes | None = None) -> Prediction:
+    """Predicted time of sending each missing piece from its first replica (no balancing).
+
+    ``by_class``: ``classes(src, dst)`` if already made.
+    """
     check_pair(src, dst)
-    k = classes(src, dst)
+    k = by_class if by_class is not None else classes(src, dst)
     s, d, nb, _ = class_rows(k.pairs, k.counts)
     return predict(rows_traffic(s, d, nb, topo), topo)

@@ -18,7 +18,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import NamedTuple
 
 import numpy as np
@@ -41,6 +41,15 @@ class Classes(NamedTuple):
     def per_tensor(self, values: Iterable[float]) -> np.ndarray:
         """A value per class spread to a value per tensor, in ``names`` order."""
         return np.fromiter(values, dtype=float, count=len(self.pairs))[self.of]
+
+    def without(self, names: Collection[str]) -> Classes:
+        """The same classes without the tensors ``names`` (classes left empty dropped, the rest renumbered)."""
+        if not names:
+            return self
+        keep = np.fromiter((n not in names for n in self.names), dtype=bool, count=len(self.names))
+        used, of = np.unique(self.of[keep], return_inverse=True)
+        return Classes([n for n, k in zip(self.names, keep.tolist(), strict=True) if k],
+                       [self.pairs[c] for c in used.tolist()], of.ravel(), np.bincount(of.ravel(), minlength=len(used)))
 
 
 def classes(src: Mapping[str, Layout], dst: Mapping[str, Layout], names: Iterable[str] | None = None) -> Classes:

@@ -54,6 +54,7 @@ from collections.abc import Callable, Mapping
 from jreshard.core.layout import Layout
 from jreshard.core.planner import Plan
 from jreshard.fleet.baselines import flat_direct, gather_broadcast, pipelined_tree
+from jreshard.fleet.classes import classes
 from jreshard.fleet.fp8 import Fp8Costs
 from jreshard.fleet.hardware import Hardware, Topology, hardware_names, load_hardware
 from jreshard.fleet.hierarchical import (
@@ -135,11 +136,12 @@ def compare(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology
     """
     check_pair(src, dst)
     first = predict(fp8.exchange, topo) if fp8 is not None and len(fp8.exchange.msg_out) else None
+    k = classes(src, dst)  # the tensors by class of shared layouts, made once for every prediction
     d = decide(src, dst, topo, hierarchical, direct_plan=jreshard_plan, progress=progress, first=first,
-               overlap=overlap, plans=False)
+               overlap=overlap, plans=False, by_class=k)
     chosen = d.hierarchical if d.delivery == "hierarchical" and d.hierarchical is not None else d.direct
     riders = fp8.scales if fp8 else None
-    baseline = gather_broadcast(src, dst, topo, riders=riders)
-    flat = flat_direct(src, dst, topo)
+    baseline = gather_broadcast(src, dst, topo, riders=riders, by_class=k)
+    flat = flat_direct(src, dst, topo, by_class=k)
     return Comparison(chosen, d.delivery, d.direct, d.hierarchical, baseline, flat if first is None else first + flat,
-                      pipelined_tree(src, dst, topo, riders=riders))
+                      pipelined_tree(src, dst, topo, riders=riders, by_class=k))

@@ -37,7 +37,7 @@ from jreshard.core.domains import Domains
 from jreshard.core.hierarchical import StagePart, TwoStagePlan, check_hierarchical
 from jreshard.core.layout import Layout
 from jreshard.core.planner import Plan, plan, plan_classes
-from jreshard.fleet.classes import classes
+from jreshard.fleet.classes import Classes, classes
 from jreshard.fleet.hardware import Topology
 from jreshard.fleet.traffic import Prediction, Traffic, plan_traffic, predict, predict_plan, rows_traffic
 
@@ -138,14 +138,12 @@ def _by_tensor(ids: list[list[int]], of: np.ndarray) -> np.ndarray:
     return flat[np.repeat((np.cumsum(n) - n)[of], per) + within]
 
 
-def _class_stages(src: Mapping[str, Layout], dst: Mapping[str, Layout],
-                  topo: Topology) -> tuple[Traffic, Traffic | None]:
+def _class_stages(k: Classes, topo: Topology) -> tuple[Traffic, Traffic | None]:
     """Both stages' loads, planned by class of shared layouts (``jreshard.core.planner.plan_classes``).
 
     The stages are the plans ``hierarchical_plan`` makes, balanced alike, tensor after tensor
     and part after part, without a name or a Layout pair per part.
     """
-    k = classes(src, dst)
     pairs: tuple[list[tuple[Layout, Layout]], list[tuple[Layout, Layout]]] = ([], [])
     ids: tuple[list[list[int]], list[list[int]]] = ([], [])
     for s, d in k.pairs:
@@ -174,7 +172,8 @@ class Decision:
 
 def decide(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology, hierarchical: str = "auto", *,
            direct_plan: Plan | None = None, progress: Callable | None = None,
-           first: Prediction | None = None, overlap: int = 0, plans: bool = True) -> Decision:
+           first: Prediction | None = None, overlap: int = 0, plans: bool = True,
+           by_class: Classes | None = None) -> Decision:
     """Direct or hierarchical delivery, as the executors and ``compare`` choose it.
 
     ``'never'``: direct. Otherwise, when some domain of ``topo`` holds two replicas of a
@@ -183,7 +182,8 @@ def decide(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology,
     deliveries run first (FP8's amax exchange), added to both predictions. ``overlap``: how the
     executor runs the two stages (``predict_two_stage``; ``0``, ``jreshard.transfer``: one after
     the other). ``plans=False``: only the predictions are read (``compare``); the stages are
-    planned by class of shared layouts, with the same moves, and ``two_stage`` is ``None``.
+    planned by class of shared layouts, with the same moves, and ``two_stage`` is ``None``;
+    ``by_class``: ``jreshard.fleet.classes.classes(src, dst)`` if already made.
 
     Example:
       >>> from jreshard import Layout, Mesh
@@ -209,6 +209,7 @@ def decide(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology,
             tsp = hierarchical_plan(src, dst, topo, progress=progress)
             hier = after_first(predict_two_stage(tsp, topo, overlap=overlap))
         else:
-            hier = after_first(_predict_stages(*_class_stages(src, dst, topo), topo, check_int("overlap", overlap)))
+            k = by_class if by_class is not None else classes(src, dst)
+            hier = after_first(_predict_stages(*_class_stages(k, topo), topo, check_int("overlap", overlap)))
     take = hier is not None and (hierarchical == "always" or hier.seconds < direct.seconds)
     return Decision("hierarchical" if take else "direct", direct, hier, p, tsp)
