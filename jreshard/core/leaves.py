@@ -17,7 +17,7 @@ from jreshard.core.balance import Choice, Split, balance_senders
 from jreshard.core.layout import Layout, _Grid, _grid
 from jreshard.core.mesh import Mesh
 from jreshard.core.overlaps import GridKey, Overlaps, grid_key, overlaps
-from jreshard.core.rows import IN_ORDER, ArrayRows, GroupRows, LeafRange, PairRows, pair_order, presorted_rows
+from jreshard.core.rows import IN_ORDER, ArrayRows, GroupRows, LeafRanges, PairRows, pair_order, presorted_rows
 
 __all__ = ["Leaf", "plan_leaves"]
 
@@ -87,7 +87,7 @@ def _groups(pairs: _Pairs) -> dict[GroupKey, np.ndarray]:
 
 
 def plan_leaves(leaves: list[Leaf], balance: bool = True,
-                of: np.ndarray | None = None) -> tuple[list[GroupRows], list[LeafRange]]:
+                of: np.ndarray | None = None) -> tuple[list[GroupRows], LeafRanges]:
     """Plans every leaf; returns per-group rows and each leaf's range in them.
 
     ``of``: the leaves are given by class, leaf ``i`` being ``leaves[of[i]]``; classes must be
@@ -122,7 +122,7 @@ def plan_leaves(leaves: list[Leaf], balance: bool = True,
         rows, bounds = _assemble(stage, chosen.get(gi), splits.get(gi))
         group[stage.members], start[stage.members], stop[stage.members] = gi, bounds[:-1], bounds[1:]
         results.append(rows)
-    return results, list(map(LeafRange, group.tolist(), start.tolist(), stop.tolist()))
+    return results, LeafRanges(group, start, stop)
 
 
 def _mesh_table(meshes: list[Mesh]) -> tuple[np.ndarray, np.ndarray]:

@@ -11,7 +11,7 @@ import numpy as np
 from jreshard.core.box import Box
 from jreshard.core.check import PlanError, check_tensor_plan
 from jreshard.core.layout import Layout
-from jreshard.core.rows import GroupRows, LeafRange, MoveArrays
+from jreshard.core.rows import GroupRows, LeafRange, LeafRanges, MoveArrays
 from jreshard.core.stats import PlanStats, format_amount, plan_stats
 from jreshard.core.tree import path_str
 
@@ -164,7 +164,7 @@ class Plan:
     __slots__ = ("paths", "treedef", "_leaves", "_groups", "_index", "_tensors", "_stats")
 
     def __init__(self, paths: Sequence[tuple], treedef: Any, leaves: Sequence[Leaf],
-                 groups: Sequence[GroupRows], index: Sequence[LeafRange]) -> None:
+                 groups: Sequence[GroupRows], index: Sequence[LeafRange] | LeafRanges) -> None:
         self.paths = tuple(paths)
         self.treedef = treedef
         self._leaves = leaves

@@ -15,7 +15,7 @@ import numpy as np
 
 from jreshard.core.overlaps import Overlaps
 
-__all__ = ["ArrayRows", "GroupRows", "LeafRange", "MoveArrays", "MoveRows", "PairRows", "pair_order",
+__all__ = ["ArrayRows", "GroupRows", "LeafRange", "LeafRanges", "MoveArrays", "MoveRows", "PairRows", "pair_order",
            "presorted_rows", "IN_ORDER"]
 
 
@@ -25,6 +25,21 @@ class LeafRange(NamedTuple):
     group: int
     start: int
     stop: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LeafRanges:
+    """Every leaf's ``LeafRange``, kept as three arrays (a plan of 200,000 leaves reads a few)."""
+
+    group: np.ndarray
+    start: np.ndarray
+    stop: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.group)
+
+    def __getitem__(self, leaf: int) -> LeafRange:
+        return LeafRange(int(self.group[leaf]), int(self.start[leaf]), int(self.stop[leaf]))
 
 
 class MoveRows(NamedTuple):
