@@ -66,7 +66,7 @@ def check_pair(src: Any, dst: Any) -> None:
     """Raises unless ``src`` and ``dst`` are dicts of Layouts with the same tensor names."""
     if not isinstance(src, Mapping) or not isinstance(dst, Mapping):
         raise TypeError(f"src and dst must be dicts of Layouts, got {type(src).__name__} and {type(dst).__name__}.")
-    if set(src) != set(dst):
+    if src.keys() != dst.keys():
         diff = sorted(set(src) ^ set(dst))[:3]
         raise ValueError(f"src and dst must have the same tensor names; they differ in {diff}.")
 

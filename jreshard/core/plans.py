@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import ItemsView, Iterator, Sequence
+from collections.abc import ItemsView, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -55,7 +55,7 @@ class Move:
         return f"Move({self.src} -> {self.dst}, {self.box})"
 
 
-def _unit(layouts: Sequence[tuple[Layout, Layout]]) -> str:
+def _unit(layouts: Iterable[tuple[Layout, Layout]]) -> str:
     return "bytes" if any(s.dtype or d.dtype for s, d in layouts) else "elements"
 
 
@@ -234,7 +234,8 @@ class Plan:
             src, dst, nb, moves = self.move_arrays()
             lower = sum(sum(g.lower.values()) for g in self._groups)
             naive = sum(sum(g.naive.values()) for g in self._groups)
-            self._stats = plan_stats(src, dst, nb, lower, naive, _unit(self.layouts), moves)
+            unit = _unit((leaf.src, leaf.dst) for leaf in self._leaves)
+            self._stats = plan_stats(src, dst, nb, lower, naive, unit, moves)
         return self._stats
 
     def check(self) -> None:
