@@ -161,6 +161,21 @@ class TimedClient:
         return timed
 
 
+PHASES = ("total", "control", "send", "commit", "rest")
+
+
+def phases(total: float, report: Any, control: float, run: dict[str, Any] | None = None) -> dict[str, float]:
+    """One sync's seconds: in all, in control calls, trainer rank 0's send, the slower worker's commit, the rest.
+
+    From a ``SyncReport`` or from a run the in-process loop recorded (its ``send`` and ``workers``)."""
+    if run is None:
+        run = {"send": report.seconds[0]["send"],
+               "workers": [report.seconds[r] for r in sorted(report.bytes_received)]}
+    commit = max(w["commit"] for w in run["workers"])
+    return {"total": total, "control": control, "send": run["send"], "commit": commit,
+            "rest": total - run["send"] - commit}
+
+
 def start_server(model_dir: str, log_path: str) -> tuple[subprocess.Popen, str]:
     """``python -m bridge.engines.vllm.serve`` (TP2, 127.0.0.1); returns it and its URL once it answers /health."""
     import requests
@@ -185,7 +200,7 @@ def start_server(model_dir: str, log_path: str) -> tuple[subprocess.Popen, str]:
 
 
 def served(args: argparse.Namespace, cfg: Any, model_dir: str, params: Any, want: list[list[int]],
-           in_process: tuple[float, float]) -> None:
+           in_process: dict[str, float]) -> None:
     """The in-process run's syncs again, into ``vllm serve`` over HTTP; prints both rows."""
     import requests
 
@@ -204,13 +219,12 @@ def served(args: argparse.Namespace, cfg: Any, model_dir: str, params: Any, want
         sync.connect(params)
         sync.sync(params, 1)
         first = time.perf_counter() - t0
-        totals, controls = [], []
+        runs: list[dict[str, float]] = []
         for v in range(2, 2 + args.reps):
             timed.seconds.clear()
             t0 = time.perf_counter()
-            sync.sync(params, v)
-            totals.append(time.perf_counter() - t0)
-            controls.append(sum(timed.seconds[m] for m in CONTROL))
+            report = sync.sync(params, v)
+            runs.append(phases(time.perf_counter() - t0, report, sum(timed.seconds[m] for m in CONTROL)))
         sync.close()
         version = requests.get(f"{url}/weight_info", timeout=60).json()["weight_version"]
         trips = []
@@ -225,10 +239,15 @@ def served(args: argparse.Namespace, cfg: Any, model_dir: str, params: Any, want
         raise
     finally:
         kill_all([proc])
-    print(f"\n{'sync (median of ' + str(args.reps) + ')':>42}{'control calls per sync':>26}")
-    print(f"{'jreshard, in process (LLMClient)':<34}{in_process[0]:>8.3f} s{in_process[1]:>24.4f} s")
-    print(f"{'jreshard, vllm serve (HTTPClient)':<34}{statistics.median(totals):>8.3f} s"
-          f"{statistics.median(controls):>24.4f} s   (first sync {first:.2f} s with group, hellos and plan)")
+    http = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    print(f"\nseconds, medians of {args.reps}{'sync':>10}{'control calls':>15}{'trainer send':>14}"
+          f"{'workers commit':>16}{'the rest':>10}")
+    for name, row in (("in process (LLMClient)", in_process), ("vllm serve (HTTPClient)", http)):
+        print(f"{'jreshard, ' + name:<34}" + "".join(f"{row[k]:>{w}.3f}" for k, w in
+                                                     (("total", 6), ("control", 15), ("send", 14),
+                                                      ("commit", 16), ("rest", 10))))
+    print(f"(vllm serve: first sync {first:.2f} s with group, hellos and plan; the rest: the phase calls and "
+          "reports beside the send and the commit)")
     print(f"control calls: {', '.join(CONTROL)}; one HTTP round trip (GET /weight_info, median of 20): "
           f"{statistics.median(trips) * 1e3:.1f} ms; the server reports version {version!r} "
           f"(synced {1 + args.reps}); its greedy tokens equal the in-process engine's: {got == want}")
@@ -369,7 +388,8 @@ def live(args: argparse.Namespace) -> None:
         sync.close()
         llm.llm_engine.engine_core.shutdown()
         del llm
-        served(args, cfg, tmp, params, after_jreshard, (j, med("jreshard", "control")))
+        served(args, cfg, tmp, params, after_jreshard, {k: statistics.median(
+            phases(r["total"], None, r["control"], r)[k] for r in runs["jreshard"]) for k in PHASES})
     shutil.rmtree(tmp, ignore_errors=True)  # the saved model
 
 
