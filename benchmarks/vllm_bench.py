@@ -240,7 +240,7 @@ def served(args: argparse.Namespace, cfg: Any, model_dir: str, params: Any, want
     finally:
         kill_all([proc])
     http = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-    print(f"\nseconds, medians of {args.reps}{'sync':>10}{'control calls':>15}{'trainer send':>14}"
+    print(f"\n{'seconds, medians of ' + str(args.reps):<34}{'sync':>6}{'control calls':>15}{'trainer send':>14}"
           f"{'workers commit':>16}{'the rest':>10}")
     for name, row in (("in process (LLMClient)", in_process), ("vllm serve (HTTPClient)", http)):
         print(f"{'jreshard, ' + name:<34}" + "".join(f"{row[k]:>{w}.3f}" for k, w in
