@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from bridge.engines.membership import check_secret, claim_rank, group_prefix, open_verifier, prove_members
 from bridge.errors import SyncError
-from bridge.wire.group import all_gather_bytes, forget_gloo_group, gloo_group
+from bridge.wire.group import all_gather_bytes, forget_gloo_group, gloo_group, tcp_store
 from jreshard.core.args import check_int
 from jreshard.core.execution import ExecutionStats
 
@@ -66,33 +66,10 @@ def host_store(host: str, port: int, world_size: int, *, timeout: float) -> dist
     port = check_int("port", port, maximum=65535)
     world_size = check_int("world_size", world_size, minimum=1)
     try:
-        listener = _listen(host, port)
+        return tcp_store(host, port, world_size, is_master=True, timeout=timeout)
     except OSError as e:
         raise ValueError(f"port {port} on {host} cannot be bound ({e}); another TrainerSync (or another process) "
                          "holds it: close() that one, or give another port.") from None
-    bound = listener.getsockname()[1]
-    try:
-        return dist.TCPStore(host, bound, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout),
-                             wait_for_workers=False, master_listen_fd=listener.fileno(), use_libuv=True)
-    except BaseException:
-        listener.close()
-        raise
-    finally:
-        listener.detach()  # the store owns the descriptor now (a no-op after close)
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    """A TCP socket listening on ``host:port`` only (``port`` 0: a free one)."""
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    s = socket.socket(family, kind, proto)
-    try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(address)
-        s.listen(socket.SOMAXCONN)
-    except BaseException:
-        s.close()
-        raise
-    return s
 
 
 def local_address(host: str, port: int) -> str:
@@ -131,7 +108,7 @@ def open_group(host: str, port: int, rank: int, world_size: int, *, secret: byte
         raise ValueError(f"rank {rank} must be below world_size {world_size}.")
     if store is None:
         store = (host_store(host, port, world_size, timeout=timeout) if rank == 0 else
-                 dist.TCPStore(host, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout)))
+                 tcp_store(host, port, world_size, is_master=False, timeout=timeout))
     where = f"{host}:{store.port if isinstance(store, dist.TCPStore) else port}"
     open_verifier(store, secret, name, rank, where)
     claim_rank(store, secret, name, rank)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -16,15 +17,17 @@ from bridge.wire import alarm
 from jreshard.core.args import check_int, check_seconds
 
 __all__ = ["init_group", "rebuild_group", "group_ranks", "check_plan_and_rank", "all_gather_bytes", "gloo_group",
-           "forget_gloo_group"]
+           "forget_gloo_group", "tcp_store"]
 
 
 def init_group(rank: int, world_size: int, *, port: int, host: str = "127.0.0.1", backend: str = "gloo",
                timeout: float = 60.0) -> dist.ProcessGroup:
     """Creates the default process group of trainer and inference processes (TCP rendezvous).
 
-    Rank 0 hosts the rendezvous store. ``timeout`` (seconds) bounds every collective.
-    Returns ``torch.distributed.group.WORLD``.
+    Rank 0 hosts the rendezvous store, listening on ``host``'s interface only (``tcp_store``).
+    ``timeout`` (seconds) bounds every collective. Returns ``torch.distributed.group.WORLD``.
+    The group checks no membership (anyone who reaches the port may join): run it on a network
+    the job owns, or use ``bridge.engines.group.open_group``, which admits holders of a secret only.
     """
     rank = check_int("rank", rank)
     world_size = check_int("world_size", world_size, minimum=1)
@@ -36,12 +39,40 @@ def init_group(rank: int, world_size: int, *, port: int, host: str = "127.0.0.1"
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}.")
     if not rank < world_size:
         raise ValueError(f"rank {rank} must be below world_size {world_size}.")
-    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size,
+    store = tcp_store(host, port, world_size, is_master=rank == 0, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout))
     world = dist.group.WORLD
     if world is None:
         raise SyncError("torch.distributed.init_process_group returned without a default group.")
     return world
+
+
+def tcp_store(host: str, port: int, world_size: int, *, is_master: bool, timeout: float) -> dist.TCPStore:
+    """A ``TCPStore`` on ``host:port`` whose server (``is_master``) listens on ``host``'s interface only.
+
+    torch's own server listens on every interface whatever ``host`` says; this one binds a socket
+    to ``host:port`` and hands it to the store (``port`` 0: a free one, ``store.port`` names it).
+
+    Raises:
+      OSError: the server's port cannot be bound (taken, or ``host`` is not this machine's).
+    """
+    delta = datetime.timedelta(seconds=timeout)
+    if not is_master:
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=delta)
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(socket.SOMAXCONN)
+        return dist.TCPStore(host, listener.getsockname()[1], world_size, is_master=True, timeout=delta,
+                             wait_for_workers=False, master_listen_fd=listener.fileno(), use_libuv=True)
+    except BaseException:
+        listener.close()
+        raise
+    finally:
+        listener.detach()  # the store owns the descriptor now (a no-op after close)
 
 
 def rebuild_group(rank: int, world_size: int, *, port: int, host: str = "127.0.0.1", backend: str = "gloo",

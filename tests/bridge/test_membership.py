@@ -312,6 +312,18 @@ def test_the_store_and_gloo_listen_on_the_given_address_only():
         close_group(pg)
 
 
+
+def test_init_groups_store_listens_on_the_given_address_only():
+    # In a process of its own: init_group makes torch.distributed's default group.
+    port = free_ports(1)[0]
+    code = (f"import json, psutil, bridge; bridge.init_group(0, 1, port={port}, host='127.0.0.1', timeout=10); "
+            "print(json.dumps([[c.laddr.ip, c.laddr.port] for c in psutil.Process().net_connections('tcp') "
+            "if c.status == psutil.CONN_LISTEN]))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=LIMIT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    listening = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [ip for ip, p in listening if p == port] == ["127.0.0.1"], listening
+
 def _main() -> None:
     cfg = json.loads(sys.argv[1])
     with contextlib.suppress(KeyboardInterrupt):
