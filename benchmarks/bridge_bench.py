@@ -6,14 +6,15 @@ over gloo. The weights are float32 in JAX and bfloat16 on the inference ranks.
 
   bridge     the defaults: bridge.trainer.sender.Sender -> bridge.Receiver (DLPack export, XLA
              cast/transpose, contiguous pieces sent and received in place, the rest packed;
-             byte counts checked, xxh3 digests of every byte sent and checked; atomic commit by
-             copy on the receivers)
+             lengths checked (sender, votes, the transport's framing), no digests; atomic commit
+             by copy on the receivers)
   swap       the same with Receiver(swap=True): the atomic commit swaps storage (no copy), so
              what is left over the floor is the protocol itself (votes, buckets, staging)
   atomic=False the same with Receiver(atomic=False): received in place, no shadow, no commit
              (a failed sync leaves mixed weights): the atomic commit's cost, beside swap's
-  checksum=False the defaults with Sender(checksum=False): no digests (lengths still checked); the
-             checksums' cost is the defaults' time over this row's
+  checksum   the defaults with Sender(checksum=True): an xxh3 digest of every piece, sent after
+             each message and checked by the receivers; its cost is this row's time over the
+             defaults'
   gather     what RL stacks do today: per tensor, gather the full tensor on trainer 0
              (a jitted all-gather to a replicated sharding), cast to bfloat16, broadcast it to
              every inference rank, each rank slicing its TP part
@@ -277,8 +278,8 @@ def worker(args) -> None:
         from bridge.trainer.sender import Sender
 
         mesh, params = _jax_params(args, src)
-        sender = Sender(plan, rank=rank, timeout=300)  # the defaults: digests sent and checked
-        unchecked = Sender(plan, rank=rank, timeout=300, checksum=False)
+        sender = Sender(plan, rank=rank, timeout=300)  # the defaults: no digests
+        checked = Sender(plan, rank=rank, timeout=300, checksum=True)
         wire = getattr(torch, plan.param_map.params[0].dtype)
         replicate = jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, P()))
 
@@ -325,7 +326,7 @@ def worker(args) -> None:
                 w.wait()
 
         version = itertools.count(1)
-        bridges = {"bridge": sender, "swap": sender, "inplace": sender, "unchecked": unchecked}
+        bridges = {"bridge": sender, "swap": sender, "inplace": sender, "checksum": checked}
         runs = {k: (lambda s=s: s.sync(params, version=next(version))) for k, s in bridges.items()}
     else:
         mine = plan.param_map.for_rank(rank)
@@ -349,10 +350,10 @@ def worker(args) -> None:
                 w.wait()
             with torch.no_grad():
                 holder.strategy.commit()
-        # unchecked: the same receiver; the senders send no digests, so the receivers check none
+        # checksum: the same receiver; the senders send digests, the receivers check them
         bridges = {"bridge": receiver, "swap": bridge.Receiver(plan, swapped, rank=rank, timeout=300, swap=True),
                    "inplace": bridge.Receiver(plan, inplace, rank=rank, timeout=300, atomic=False),
-                   "unchecked": receiver}
+                   "checksum": receiver}
         runs = {k: r.sync for k, r in bridges.items()}
         by_leaf: dict[str, list] = {}
         for p in mine:

@@ -108,15 +108,15 @@ class TrainerSync:
         under ``jax.distributed`` get rank 0's new one through jax's key-value store (the trainers'
         coordination service). Never shown in a ``repr`` or an error.
       checksum: the ``Sender`` sends a digest of every piece, which the workers check before anything
-        is committed (on by default; ``False`` skips them: lengths are still checked, a flipped byte
-        is not).
+        is committed (off by default, see ``Sender``; lengths are always checked, a flipped byte only
+        with digests).
     """
 
     def __init__(self, recipe: Recipe, *, workers: int, control: EngineControl | None = None,
                  rank: int | None = None, trainers: int | None = None, host: str = "127.0.0.1", port: int,
                  bucket_bytes: int = 16 << 20, timeout: float = 60.0, ready_timeout: float = 600.0,
                  secret: bytes | str | None = None,
-                 checksum: bool = True) -> None:
+                 checksum: bool = False) -> None:
         import jax
 
         if not isinstance(recipe, Recipe):

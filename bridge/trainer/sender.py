@@ -154,10 +154,11 @@ class Sender:
       progress: show a tqdm bar (``None``: for syncs over 1 GiB on a terminal).
       checksum: send an xxh3-64 digest of every piece after its bucket's payload (a weighted word
         sum for a piece on an accelerator), which receivers check before anything is committed; in
-        a two-stage plan the forwarding receivers send digests too. On by default (its cost is in
-        docs/reliability.md). ``False`` sends none: lengths are still checked by the sender, the
-        votes and the receiver's transport, but a flipped byte, or two messages of one length
-        swapped, is then committed unnoticed.
+        a two-stage plan the forwarding receivers send digests too. Off by default: on
+        ``benchmarks/bridge_bench.py`` it costs about 17% of the sync time on the loaded 2-core
+        test machine (docs/reliability.md), above the 10% allowed for a default. Without it,
+        lengths are still checked (by the sender, the votes and the receiver's transport), but a
+        flipped byte, or two messages of one length swapped, is committed unnoticed.
 
     Attributes:
       last_stats: the ``jreshard.core.execution.ExecutionStats`` of the last sync (also a failed
@@ -166,7 +167,7 @@ class Sender:
     """
 
     def __init__(self, plan: BridgePlan, *, rank: int | None = None, timeout: float = 60.0,
-                 ready_timeout: float = 600.0, progress: bool | None = None, checksum: bool = True) -> None:
+                 ready_timeout: float = 600.0, progress: bool | None = None, checksum: bool = False) -> None:
         rank = check_plan_and_rank(plan, rank)
         if rank not in plan.source.ranks:
             raise ValueError(f"rank {rank} holds no trainer shards in the plan (trainer ranks {plan.source.ranks}).")

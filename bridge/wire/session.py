@@ -8,7 +8,7 @@ Protocol of one sync, every rank of the group taking part:
    raise ``PlanMismatchError`` on every rank before any data moves. On a fingerprint
    mismatch the ranks also exchange what their fingerprints cover (JSON text,
    ``bridge.plan.key``), so the error says what differs. When any rank asks for digests
-   (``Sender(checksum=True)``, the default), every rank sends them.
+   (``Sender(checksum=True)``), every rank sends them.
 2. Votes: before the payload of a voted bucket moves, one ``all_gather`` of a fixed-length
    int64 row per rank (``bridge.wire.vote``): the rank's status (an exception while packing
    or unpacking, a message of the wrong size or length, a checksum mismatch found in an
