@@ -22,6 +22,9 @@ TRAINERS = 2  # JAX processes, 2 simulated devices each, FSDP over 4
 TP = 2  # vLLM workers
 PROMPTS = [[1, 2, 3, 4, 5], [17, 400, 9], [499, 0, 311, 37, 8, 61]]  # below both vocabularies
 MAX_TOKENS = 8
+# Fills one KV block of the CPU backend (128 tokens), which vLLM's prefix cache then keeps: after a sync the
+# engine must not reuse it, since it holds keys and values computed with the previous weights.
+LONG_PROMPT = [(7 * i + 3) % 499 for i in range(160)]
 
 
 def qwen3_config() -> LlamaConfig:

@@ -106,12 +106,12 @@ def save_fp8(model, state: dict[str, np.ndarray], path: Path) -> dict[str, np.nd
     return values
 
 
-def generate(engine) -> list[dict]:
-    """Greedy tokens and log-probabilities of ``C.PROMPTS``: the engine server's, or a ``vllm serve``
+def generate(engine, prompts: list[list[int]] = C.PROMPTS) -> list[dict]:
+    """Greedy tokens and log-probabilities of ``prompts``: the engine server's, or a ``vllm serve``
     server's (an engine with a ``url``) through its OpenAI completions endpoint."""
     if "url" in engine:
-        return completions(engine["url"], engine["served"], C.PROMPTS, C.MAX_TOKENS)
-    return C.request(engine["address"], "generate", prompts=C.PROMPTS, max_tokens=C.MAX_TOKENS)
+        return completions(engine["url"], engine["served"], prompts, C.MAX_TOKENS)
+    return C.request(engine["address"], "generate", prompts=prompts, max_tokens=C.MAX_TOKENS)
 
 
 def version(engine) -> str:
@@ -159,14 +159,15 @@ def assert_matches(got: list[dict], want: list[dict], atol: float = 2e-4, near_t
     return compared
 
 
-def oracle(engine: dict, out: Path, v: int) -> list[dict]:
+def oracle(engine: dict, out: Path, v: int, prompts: list[list[int]] = C.PROMPTS) -> list[dict]:
+    """``transformers``' greedy tokens on ``prompts`` with the trainers' weights of version ``v``."""
     cfg = C.config(engine["kind"])
     with np.load(out / f"params_v{v}.npz") as z:
         flat = {k: z[k] for k in z.files}
     state = hf_state(flat, cfg)
     if engine["kind"] == "fp8":  # the trainers' weights as the sync quantizes them (bfloat16 where kept)
         state = fp8_values(state)[0]
-    return C.hf_greedy(C.hf_model(cfg, state), C.PROMPTS, C.MAX_TOKENS)
+    return C.hf_greedy(C.hf_model(cfg, state), prompts, C.MAX_TOKENS)
 
 
 def start_trainers(engine, out: Path, versions: str, mode: str = "normal",
@@ -219,7 +220,9 @@ def check_two_syncs(engine: dict, tmp_path: Path, *, padded_vocab: bool, atol: f
                     near_tie: float = 0.0) -> list[dict]:
     """Two trainers sync versions 1 and 2; after each the engine equals transformers on their weights.
 
+    After both, so does a prompt whose first KV block the engine cached before them (``C.LONG_PROMPT``).
     Returns trainer rank 0's record of each sync."""
+    generate(engine, [C.LONG_PROMPT])
     before, recs = generate(engine), []
     procs = start_trainers(engine, tmp_path, "1,2")
     try:
@@ -242,6 +245,8 @@ def check_two_syncs(engine: dict, tmp_path: Path, *, padded_vocab: bool, atol: f
             assert (rec["region_bytes"][workers[1]] < rec["param_bytes"][workers[1]]) == padded_vocab
             before = got
             (tmp_path / f"go_v{v}").touch()
+        assert_matches(generate(engine, [C.LONG_PROMPT]), oracle(engine, tmp_path, 2, [C.LONG_PROMPT]), atol,
+                       near_tie)
         assert finish(procs, tmp_path) == [0, 0], logs(tmp_path)
     finally:
         kill_all(procs)

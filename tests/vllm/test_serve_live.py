@@ -109,7 +109,9 @@ def test_the_server_serves_the_saved_model_with_the_jreshard_backend(server):
 
 def test_two_syncs_over_http_match_transformers_and_set_the_version(server, tmp_path):
     with showing_log(server):
-        recs = check_two_syncs(server, tmp_path, padded_vocab=True)  # each: tokens, version, bytes
+        # Each sync: tokens, version, bytes; after both, a prompt whose KV block was cached before them
+        # (the client pauses the server for each update, and vLLM's pause clears its prefix cache).
+        recs = check_two_syncs(server, tmp_path, padded_vocab=True)
         assert [r["ok"] for r in recs] == [True, True]
         assert version(server) == "2"
         assert requests.get(f"{server['url']}/is_paused", timeout=HTTP_TIMEOUT).json() == {"is_paused": False}

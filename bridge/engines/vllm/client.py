@@ -7,9 +7,12 @@ client (``HTTPVLLMWeightSyncClient``) or any object with the same four methods s
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 __all__ = ["LLMClient"]
+
+log = logging.getLogger("bridge")
 
 
 class LLMClient:
@@ -33,7 +36,11 @@ class LLMClient:
         self.llm.collective_rpc("update_weights", kwargs={"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Ends the update and clears the prefix cache, whose blocks hold keys and values of the old weights."""
         self.llm.collective_rpc("finish_weight_update")
+        if not self.llm.reset_prefix_cache():
+            log.warning("vLLM did not clear its prefix cache after the weight update (requests were running): "
+                        "their cached blocks hold keys and values computed with the previous weights.")
         if weight_version is not None:
             self.llm.llm_engine.set_weight_version(weight_version)
 
