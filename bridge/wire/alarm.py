@@ -43,6 +43,7 @@ Example (a one-rank group on a local store):
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import logging
@@ -124,11 +125,26 @@ class Alarm:
             return f"the group's store is unreachable (its host may have died): {e}"
 
 
+EXIT_GRACE = 30.0  # seconds the process's exit waits, at most, for closed waiters still in a wait
+_DRAINING: set[threading.Thread] = set()  # threads of closed waiters whose last wait has not ended
+
+
+@atexit.register
+def _drain() -> None:
+    """At exit, lets waits left running by a failed sync end (each is bounded by its sync's deadline):
+    a daemon thread still inside a gloo wait while the interpreter tears down ends the process with
+    ``terminate called without an active exception``."""
+    end = time.monotonic() + EXIT_GRACE
+    for t in list(_DRAINING):
+        t.join(max(0.0, end - time.monotonic()))
+
+
 class Waiter:
     """One daemon thread that runs blocking waits handed to it, so the caller can check an alarm.
 
     A wait left blocked when the caller gives up ends at its own timeout or when the group is
-    destroyed; the thread is a daemon, so it never holds up the process's exit.
+    destroyed; the thread is a daemon, but once closed, the process's exit waits for its last
+    wait to end (up to ``EXIT_GRACE`` seconds).
 
       >>> from bridge.wire.alarm import Waiter
       >>> w = Waiter()
@@ -139,9 +155,16 @@ class Waiter:
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue[tuple[Future, Callable[[], Any]] | None] = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="bridge-wait", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name="bridge-wait", daemon=True)
+        self._thread.start()
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            _DRAINING.discard(threading.current_thread())
+
+    def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
             fut, fn = job
             if fut.set_running_or_notify_cancel():
@@ -160,6 +183,8 @@ class Waiter:
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
+            if self._thread.is_alive():
+                _DRAINING.add(self._thread)
             self._jobs.put(None)
 
 
