@@ -5,9 +5,9 @@ timings, and digests of the direct plan's per-device send and receive bytes. The
 cost model, the baselines and the presets may be made faster; these figures must not
 change. The two hypothetical frontier scenarios were recorded by the same earlier code,
 given the scenario and model files. After a deliberate change of the model, record them
-again:
+again (``--missing``: only cases added since):
 
-  .venv/bin/python -m tests.plan_figures
+  .venv/bin/python -m tests.plan_figures [--missing]
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any
 FIXTURE = pathlib.Path(__file__).parent / "data" / "plan_figures.json"
 _TIMINGS = ("plan_seconds_cold", "plan_seconds_warm")
 _KIMI_FSDP = ["--model", "kimi-k2", "--train", "fsdp=256", "--infer", "tp=8,dp=16", "--hardware", "gb200-nvl72"]
+_FRONTIER_FSDP = ["--train", "fsdp=512", "--infer", "tp=8,dp=32", "--hardware", "gb200-nvl72"]
 
 
 def cases() -> dict[str, list[str]]:
@@ -32,6 +33,8 @@ def cases() -> dict[str, list[str]]:
     out = {name: [name] for name in scenario_names()}
     out.update({
         "kimi-k2 fsdp=256 -> tp=8,dp=16 gb200": _KIMI_FSDP,
+        "kimi-k3 fsdp=512 -> tp=8,dp=32 gb200": ["--model", "kimi-k3-hypothetical", *_FRONTIER_FSDP],
+        "qwen3.8 fsdp=512 -> tp=8,dp=32 gb200": ["--model", "qwen3.8-2.4t-a95b-hypothetical", *_FRONTIER_FSDP],
         "dsv3-dgx-h100 fp8": ["dsv3-dgx-h100", "--dtype", "float8_e4m3fn"],
         "kimi-k2-256-to-128 fp8": ["kimi-k2-256-to-128", "--dtype", "float8_e4m3fn"],
         "qwen3-30b stacked experts": ["qwen3-30b-ep8pp2-to-tp8dp2-h100", "--experts", "stacked"],
@@ -79,14 +82,17 @@ def figures(argv: list[str]) -> dict[str, Any]:
     return report
 
 
-def main() -> None:
+def main(missing: bool = False) -> None:
+    """Records every case (``missing``: only the cases the fixture lacks, keeping the others)."""
     FIXTURE.parent.mkdir(exist_ok=True)
-    recorded = {}
+    recorded = json.loads(FIXTURE.read_text()) if missing and FIXTURE.exists() else {}
     for name, argv in cases().items():
+        if name in recorded:
+            continue
         print(name, file=sys.stderr)
         recorded[name] = {"argv": argv, "figures": figures(argv)}
     FIXTURE.write_text(json.dumps(recorded, indent=1, sort_keys=True) + "\n")
 
 
 if __name__ == "__main__":
-    main()
+    main(missing="--missing" in sys.argv[1:])
