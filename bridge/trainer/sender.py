@@ -316,10 +316,12 @@ class Sender:
         return sends
 
     def sync(self, params: Any, version: int, group: dist.ProcessGroup | None = None, *,
-             transport: Transport | None = None) -> int:
+             transport: Transport | str = "auto") -> int:
         """Sends one sync of ``params`` tagged ``version`` (the training step); returns it.
 
-        ``transport`` moves the payload (default: ``bridge.wire.gloo.GlooTransport`` on ``group``).
+        ``transport`` moves the payload: ``"auto"`` (shared memory with receivers on this host, gloo with
+        the others), ``"shm"``, ``"gloo"`` (``bridge.wire.route``), or a ``Transport`` object; every rank
+        passes the same.
 
         Raises:
           PlanMismatchError: the ranks' plans differ (nothing moved).
@@ -329,7 +331,7 @@ class Sender:
         shards: dict = {}
         try:
             version = check_int("version", version)
-            transport = check_transport(transport, group)
+            transport = check_transport(transport)
             shards = self._shards(params)
         except Exception as e:  # announced to every rank before raising here
             error = e

@@ -16,9 +16,10 @@ from bridge.wire.handshake import Role
 from bridge.wire.transport import Kind, Op
 from bridge.wire.vote import Code, Status
 
-__all__ = ["Side", "Arena", "Bucket", "WrongCount", "check_sizes", "digest_ops"]
+__all__ = ["Alloc", "Side", "Arena", "Bucket", "WrongCount", "check_sizes", "digest_ops"]
 
 PackFn = Callable[[Message, torch.Tensor], list[torch.Tensor]]
+Alloc = Callable[[int], torch.Tensor]  # ``nbytes`` of uint8 host memory
 UnpackFn = Callable[[Message, torch.Tensor], None]
 
 
@@ -64,18 +65,24 @@ class Arena:
       (100, 100)
     """
 
-    __slots__ = ("_bufs",)
+    __slots__ = ("_bufs", "recv_alloc")
 
     def __init__(self) -> None:
-        self._bufs: dict[tuple[Kind, int], torch.Tensor] = {}
+        self._bufs: dict[tuple[Kind, int], tuple[torch.Tensor, Alloc | None]] = {}
+        # Host memory for the receive buffers (``bridge.wire.shm.staging``: senders of this host write
+        # into it); ``None``: ``torch.empty``.
+        self.recv_alloc: Alloc | None = None
 
     def buffer(self, kind: Kind, bucket: int, nbytes: int, device: torch.device | str) -> torch.Tensor:
         """The uint8 buffer of ``kind`` for ``bucket``'s parity, at least ``nbytes`` long, on ``device``."""
         key = (kind, bucket % 2)
-        buf = self._bufs.get(key)
-        if buf is None or buf.numel() < nbytes or buf.device != torch.device(device):
+        alloc = self.recv_alloc if kind == Kind.RECV and torch.device(device).type == "cpu" else None
+        buf, made_by = self._bufs.get(key, (None, None))
+        if buf is None or buf.numel() < nbytes or buf.device != torch.device(device) or made_by is not alloc:
             self._bufs.pop(key, None)  # freed before the new one is allocated
-            buf = self._bufs[key] = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+            buf = (alloc(max(nbytes, 1)) if alloc is not None
+                   else torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device))
+            self._bufs[key] = (buf, alloc)
         return buf
 
     def slices(self, kind: Kind, bucket: int, msgs: list[Message], device: torch.device | str) -> list[torch.Tensor]:

@@ -13,7 +13,8 @@ strategy           where buckets land                                     commit
 ``InPlaceCommit``  the params themselves (``atomic=False``)               nothing
 =================  =====================================================  ==========================
 
-A strategy's ``begin(device)`` gives the sync its ``Side`` (``bridge.wire.session``), ``commit()``
+A strategy's ``begin(device, alloc)`` gives the sync its ``Side`` (``alloc``: where host memory it
+lands in comes from, ``bridge.wire.shm.staging`` for shared memory, or ``None``) (``bridge.wire.session``), ``commit()``
 runs after the final ack, ``release()`` frees what it holds between syncs. Every strategy reads
 and writes the receiver's own ``params`` dict, so ``Receiver.rebind`` reaches it.
 """
@@ -25,7 +26,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from bridge.plan.bridge_plan import BridgePlan, Message
-from bridge.wire.bucket import Side
+from bridge.wire.bucket import Alloc, Side
 from bridge.wire.handshake import Role
 from bridge.wire.session import torch_dtype
 from jreshard.core.schedule import aligned
@@ -144,7 +145,7 @@ class Wiring:
 class CommitStrategy(Protocol):
     """Where a receiver's sync lands and how it commits (see the module docstring)."""
 
-    def begin(self, device: torch.device) -> Side: ...
+    def begin(self, device: torch.device, alloc: Alloc | None = None) -> Side: ...
 
     def commit(self) -> None: ...
 
@@ -162,7 +163,7 @@ class InPlaceCommit:
         """Where this sync writes."""
         return self.params
 
-    def begin(self, device: torch.device) -> Side:
+    def begin(self, device: torch.device, alloc: Alloc | None = None) -> Side:
         self._into = self.staging()
         # Looked up on the instance, so a test can wrap one step (an unpacking failure).
         return Side(Role.RECEIVER, self.forward, self.recv, self.unpack, device)
@@ -244,13 +245,16 @@ class HeldCommit:
         self.params = params
         self.held = wiring.held()
         self.hold: torch.Tensor | None = None
+        self._alloc: Alloc | None = None  # what made ``hold``
 
-    def begin(self, device: torch.device) -> Side:
+    def begin(self, device: torch.device, alloc: Alloc | None = None) -> Side:
         last = max(self.held.values(), key=lambda h: h.base, default=None)
         total = max(last.base + last.nbytes if last is not None else 0, 1)
-        if self.hold is None or self.hold.numel() < total or self.hold.device != device:
+        alloc = alloc if device.type == "cpu" else None
+        if self.hold is None or self.hold.numel() < total or self.hold.device != device or self._alloc is not alloc:
             self.hold = None  # freed before the new one is allocated
-            self.hold = torch.empty(total, dtype=torch.uint8, device=device)
+            self.hold = alloc(total) if alloc is not None else torch.empty(total, dtype=torch.uint8, device=device)
+            self._alloc = alloc
         return Side(Role.RECEIVER, recv=self.recv, device=device, stage_recvs=False)
 
     def recv(self, m: Message, buf: torch.Tensor) -> list[torch.Tensor]:

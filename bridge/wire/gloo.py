@@ -38,9 +38,11 @@ import xxhash
 
 from bridge.errors import REBUILD_GROUP, SyncError
 from bridge.wire.alarm import SyncAlarm, Waiter, wait_failure, wait_once
+from bridge.wire.route import Mode
 from bridge.wire.transport import Kind, Op, Transport, WrongLength
 
-__all__ = ["GlooTransport", "direct_group", "check_transport", "frame", "HEADER_TAG", "HEADER_WORDS", "DRAIN_BYTES"]
+__all__ = ["GlooTransport", "direct_group", "check_transport", "frame", "HEADER_TAG", "HEADER_WORDS", "DRAIN_BYTES",
+           "MAGIC"]
 
 HEADER_TAG = 1  # headers travel apart from the payload (tag 0), so the two streams keep their own order
 HEADER_WORDS = 8
@@ -220,11 +222,19 @@ class GlooTransport:
         self._helpers.clear()
 
 
-def check_transport(transport: Any, group: Any) -> Transport:
-    """``transport`` (default: a ``GlooTransport`` on ``group``), checked to be a ``Transport``."""
+def check_transport(transport: Any) -> Transport | str:
+    """``transport`` checked: a mode's name (``None``: ``"auto"``; ``bridge.wire.route``) or a ``Transport``.
+
+      >>> from bridge.wire.gloo import check_transport
+      >>> check_transport(None), check_transport("shm")
+      ('auto', 'shm')
+    """
     if transport is None:
-        return GlooTransport(group)
+        return "auto"
+    if isinstance(transport, str):
+        Mode.parse(transport)
+        return transport
     if not isinstance(transport, Transport):
-        raise TypeError(f"transport must implement bridge.wire.transport.Transport (name, post, wait, abort, "
-                        f"close), got {type(transport).__name__}.")
+        raise TypeError(f"transport must be 'auto', 'shm', 'gloo' or implement bridge.wire.transport.Transport "
+                        f"(name, post, wait, abort, close), got {type(transport).__name__}.")
     return transport

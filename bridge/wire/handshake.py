@@ -2,12 +2,15 @@
 the exchange of what each rank's plan covers (``bridge.plan.key``), so the error says what differs.
 
 The header is int64 words: magic, role (``Role``), status (``HandshakeStatus``), version, whether
-the rank asks for digests, then the plan's 32-byte fingerprint (four words).
+the rank asks for digests, the plan's 32-byte fingerprint (four words), then the transport the rank
+asks for (``bridge.wire.route.Mode``) and where its tensors live (``Place``: host, pid, device), from
+which every rank computes every pair's route alike.
 
-Example (the header of a sender announcing version 7, no digests):
+Example (the header of a sender announcing version 7, no digests, asking for the automatic choice):
   >>> from bridge.wire.handshake import HandshakeStatus, Role, header
-  >>> header(Role.SENDER, HandshakeStatus.OK, 7, False, bytes(32)).tolist()[:5]
-  [1785881971, 1, 0, 7, 0]
+  >>> from bridge.wire.route import Mode, Place
+  >>> header(Role.SENDER, HandshakeStatus.OK, 7, False, bytes(32), Mode.AUTO, Place(5, 42, "cpu")).tolist()
+  [1785881971, 1, 0, 7, 0, 0, 0, 0, 0, 1, 5, 42, 0]
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from bridge.plan.bridge_plan import BridgePlan
 from bridge.plan.key import decode, describe_difference, encode, plan_key
 from bridge.wire.alarm import SyncAlarm
 from bridge.wire.group import all_gather_bytes
+from bridge.wire.route import Mode, Place
 
 __all__ = ["MAGIC", "Role", "HandshakeStatus", "Agreement", "header", "handshake"]
 
@@ -45,15 +49,23 @@ class HandshakeStatus(enum.IntEnum):
 
 
 class Agreement(NamedTuple):
-    """What the handshake settled: the trainers' version, and whether every rank announces digests."""
+    """What the handshake settled: the trainers' version, whether every rank announces digests, the
+    transport each rank asked for, and where each rank's tensors live."""
 
     version: int
     digests: bool
+    modes: dict[int, Mode]
+    places: dict[int, Place]
 
 
-def header(role: Role, status: HandshakeStatus, version: int, digests: bool, fingerprint: bytes) -> torch.Tensor:
+_DEVICES = ("cpu", "cuda")
+
+
+def header(role: Role, status: HandshakeStatus, version: int, digests: bool, fingerprint: bytes, mode: Mode,
+           place: Place) -> torch.Tensor:
     fp = np.frombuffer(fingerprint, dtype=np.int64)
-    return torch.tensor([MAGIC, int(role), int(status), version, int(digests), *fp.tolist()], dtype=torch.int64)
+    return torch.tensor([MAGIC, int(role), int(status), version, int(digests), *fp.tolist(), int(mode), place.host,
+                         place.pid, _DEVICES.index(place.device)], dtype=torch.int64)
 
 
 def handshake(plan: BridgePlan, rank: int, ranks: list[int], group: Any, alarm: SyncAlarm, mine: torch.Tensor,
@@ -70,7 +82,7 @@ def handshake(plan: BridgePlan, rank: int, ranks: list[int], group: Any, alarm: 
         raise SyncError(f"rank {rank}: ranks {failed} rejected the sync before any data moved; see their errors.")
     prints: dict[bytes, list[int]] = {}
     for r, h in rows.items():
-        prints.setdefault(np.array(h[5:], dtype=np.int64).tobytes(), []).append(r)
+        prints.setdefault(np.array(h[5:9], dtype=np.int64).tobytes(), []).append(r)
     if len(prints) > 1:
         _mismatch(plan, rank, ranks, group, alarm, prints, deadline)
     versions = {h[3] for h in rows.values() if h[1] == Role.SENDER}
@@ -83,7 +95,9 @@ def handshake(plan: BridgePlan, rank: int, ranks: list[int], group: Any, alarm: 
     for r in plan.param_map.ranks:
         if roles.get(r) != Role.RECEIVER:
             raise PlanMismatchError(f"rank {rank}: rank {r} has params but did not join as a receiver.")
-    return Agreement(versions.pop(), any(h[4] for h in rows.values()))
+    modes = {r: Mode(h[9]) for r, h in rows.items()}
+    places = {r: Place(h[10], h[11], _DEVICES[h[12]]) for r, h in rows.items()}
+    return Agreement(versions.pop(), any(h[4] for h in rows.values()), modes, places)
 
 
 def _mismatch(plan: BridgePlan, rank: int, ranks: list[int], group: Any, alarm: SyncAlarm,

@@ -27,6 +27,7 @@ from bridge.plan.bridge_plan import BridgePlan
 from bridge.plan.dtensor import dtensor_params
 from bridge.plan.param_map import Param, ParamMap
 from bridge.plan.source import Source
+from bridge.wire import shm
 from bridge.wire.bucket import Arena
 from bridge.wire.commit import CommitStrategy, HeldCommit, InPlaceCommit, ShadowCommit, SwapCommit, Wiring
 from bridge.wire.gloo import check_transport
@@ -207,19 +208,26 @@ class Receiver:
             return ShadowCommit(wiring, self.params, uncovered)
         return HeldCommit(wiring, self.params)
 
-    def sync(self, group: dist.ProcessGroup | None = None, *, transport: Transport | None = None) -> int:
+    def sync(self, group: dist.ProcessGroup | None = None, *, transport: Transport | str = "auto") -> int:
         """Receives one sync; returns its version (the trainers' step).
 
-        ``transport`` moves the payload (default: ``bridge.wire.gloo.GlooTransport`` on ``group``).
+        ``transport`` moves the payload: ``"auto"`` (shared memory with trainers on this host, gloo with
+        the others), ``"shm"``, ``"gloo"`` (``bridge.wire.route``), or a ``Transport`` object; every rank
+        passes the same. With ``"auto"`` or ``"shm"`` and params in host memory, the memory a sync lands
+        in (held bytes, bucket buffers) is shared memory that same-host trainers write into
+        (``bridge.wire.shm``).
 
         Raises:
           PlanMismatchError: the ranks' plans differ (nothing moved, weights unchanged).
           SyncError: a peer died, stalled past ``timeout`` or failed; with ``atomic=True``
             the weights and ``version`` are unchanged. Recreate the process group, then retry.
         """
-        transport = check_transport(transport, group)
+        transport = check_transport(transport)
+        device = next(iter(self.params.values())).device
+        shared = transport in ("auto", "shm") and device.type == "cpu"
+        self._arena.recv_alloc = shm.staging if shared else None
         try:
-            side = self.strategy.begin(next(iter(self.params.values())).device)
+            side = self.strategy.begin(device, self._arena.recv_alloc)
         except Exception:  # e.g. out of memory for the shadow: every other rank learns at once
             reject_sync(self.plan, rank=self.rank, group=group, ready_timeout=self.ready_timeout)
             raise

@@ -78,9 +78,11 @@ from bridge.plan.bridge_plan import WIRE_DTYPES, BridgePlan
 from bridge.wire import vote as _vote
 from bridge.wire.alarm import SyncAlarm
 from bridge.wire.bucket import Arena, Bucket, Side, WrongCount, check_sizes, digest_ops
-from bridge.wire.gloo import check_transport
+from bridge.wire.gloo import GlooTransport, check_transport
 from bridge.wire.group import check_plan_and_rank, group_ranks
 from bridge.wire.handshake import HandshakeStatus, Role, handshake, header
+from bridge.wire.route import Mode, Place, here, routes
+from bridge.wire.shm import ShmTransport
 from bridge.wire.tally import Tally
 from bridge.wire.transport import Kind, Op, Transport, WrongLength
 from bridge.wire.vote import Code, Status, vote_every
@@ -129,7 +131,9 @@ class SyncSession:
         every piece it sends, after the bucket's payload, and receivers check them before unpacking.
       progress: a progress bar (``jreshard.core.progress``).
       arena: staging buffers to reuse across syncs (default: new ones).
-      transport: moves the payload (default: ``GlooTransport(group)``, closed at the end).
+      transport: moves the payload: a mode (``"auto"``, the default, ``"shm"``, ``"gloo"``: the
+        transport is built after the handshake from every pair's route, ``bridge.wire.route``, and
+        closed at the end) or a ``Transport`` object (every rank passes one).
 
     In a two-stage plan inference ranks also send (stage 2, inside their domain), in buckets shared
     with stage 1: a stage-2 message of bucket ``b`` forwards only what stage-1 buckets up to
@@ -139,7 +143,8 @@ class SyncSession:
 
     def __init__(self, plan: BridgePlan, rank: int, group: Any, side: Side, *, version: int, timeout: float,
                  ready_timeout: float, status: HandshakeStatus = HandshakeStatus.OK, checksum: bool = False,
-                 progress: bool | None = None, arena: Arena | None = None, transport: Transport | None = None) -> None:
+                 progress: bool | None = None, arena: Arena | None = None,
+                 transport: Transport | str | None = None) -> None:
         version = check_int("version", version, minimum=-1)
         timeout, ready_timeout = check_seconds("timeout", timeout), check_seconds("ready_timeout", ready_timeout)
         self.ranks = group_ranks(group)
@@ -155,11 +160,16 @@ class SyncSession:
         self.version, self.status, self.checksum, self.progress = version, status, checksum, progress
         self.timeout, self.ready_timeout = timeout, ready_timeout
         self.arena = arena if arena is not None else Arena()
-        self._own_transport = transport is None
-        self.transport = check_transport(transport, group)
+        given = check_transport(transport)
+        self.mode = Mode.CUSTOM if not isinstance(given, str) else Mode.parse(given)
+        # A mode's transport is built once the handshake told every rank's place (``_open_transport``).
+        self.transport: Transport | None = given if not isinstance(given, str) else None
+        self.place: Place = here(torch.device(side.device).type)
+        self.routes: dict[int, str] = {}
         home = plan.domain_of(rank)
         self._away = {r: plan.domain_of(r) != home for r in self.ranks}  # peers in another domain
-        self.tally = Tally(rank, self.transport.name, "hierarchical" if plan.two_stage else "direct")
+        label = self.transport.name if self.transport is not None else self.mode.label
+        self.tally = Tally(rank, label, "hierarchical" if plan.two_stage else "direct")
         self.stats = self.tally.stats(0.0)
         self.alarm = SyncAlarm(None, rank)
         self.deadline = 0.0
@@ -183,7 +193,8 @@ class SyncSession:
         """Runs the protocol; returns the agreed version. Raises SyncError (or PlanMismatchError) on any failure."""
         start = time.perf_counter()
         self.alarm = SyncAlarm.open(self.group, self.rank, len(self.ranks))
-        self.alarm.on_give_up(self.transport.abort)
+        self.alarm.on_give_up(self._abort)
+        own = self.transport is None
         try:
             with self.alarm:
                 with self.tally.timing("handshake"):
@@ -191,8 +202,9 @@ class SyncSession:
                 self.deadline = time.monotonic() + self.timeout
                 self._buckets()
         finally:
-            self.stats = self.tally.stats(time.perf_counter() - start)
-            if self._own_transport:
+            moved = getattr(self.transport, "moved", None)  # bytes per route, where a transport routes ops apart
+            self.stats = self.tally.stats(time.perf_counter() - start, dict(moved) if moved else None)
+            if own and self.transport is not None:
                 self.transport.close()
         s = self.stats
         log.info("rank %d synced version %d: %s bytes in %d buckets, %.3f s (%.2f GB/s, pid %d)", self.rank,
@@ -200,12 +212,29 @@ class SyncSession:
                  self.nbytes / max(s.seconds, 1e-9) / 1e9, os.getpid())
         return self.version
 
+    def _abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
     def handshake(self) -> None:
-        """Agrees on the version and on digests with every rank (``bridge.wire.handshake``)."""
-        mine = header(self.side.role, self.status, self.version, self.checksum, self.plan.fingerprint)
+        """Agrees on the version, on digests and on the transport with every rank (``bridge.wire.handshake``),
+        then builds the transport of a mode from every pair's route."""
+        mine = header(self.side.role, self.status, self.version, self.checksum, self.plan.fingerprint, self.mode,
+                      self.place)
         agreed = handshake(self.plan, self.rank, self.ranks, self.group, self.alarm, mine,
                            time.monotonic() + self.ready_timeout)
-        self.version, self.checksum = agreed
+        self.version, self.checksum = agreed.version, agreed.digests
+        pairs = {(m.src, m.dst) for m in self.plan.messages}
+        domain = {r: self.plan.domain_of(r) for r in self.ranks}
+        self.routes = routes(agreed.modes, agreed.places, pairs=pairs, domain=domain, rank=self.rank)
+        if self.transport is None:
+            self.transport = self._open_transport(agreed.places)
+
+    def _open_transport(self, places: dict[int, Place]) -> Transport:
+        """The transport of this rank's pairs: shared memory with the peers routed ``"shm"``, gloo with the rest."""
+        if "shm" not in self.routes.values():
+            return GlooTransport(self.group)
+        return ShmTransport(self.group, self.routes, {r: p.pid for r, p in places.items()})
 
     def _buckets(self) -> None:
         """Every bucket, then the final ack (``_step``); nothing of the sync outlives it."""
@@ -336,11 +365,13 @@ class SyncSession:
         """Posts bucket ``b``'s operations through the transport; returns their handles."""
         if bucket is None or not bucket.ops:
             return []
+        transport = self.transport
+        assert transport is not None  # the handshake built it
         with self.tally.timing("post"):
             for op in bucket.ops:
-                self.tally.count(op, away=self._away[op.peer])
+                self.tally.count(op, away=self._away[op.peer], via=transport.name)
             try:
-                return self.transport.post(bucket.ops)
+                return transport.post(bucket.ops)
             except SyncError as e:
                 raise self.alarm.give_up(e) from e
             except RuntimeError as e:  # gloo fails at once when a peer's connection is already closed
@@ -365,6 +396,7 @@ class SyncSession:
         the transport refused for its length fails this rank (announced in the next vote), not the group."""
         handles = self._cur.handles or []
         if handles:
+            assert self.transport is not None
             with self.tally.timing("wait"):
                 try:
                     self.transport.wait(handles, deadline=self.deadline, alarm=self.alarm,

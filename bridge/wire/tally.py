@@ -33,12 +33,16 @@ class Tally:
         self.bytes = {Kind.SEND: 0, Kind.RECV: 0}
         self.cross = {Kind.SEND: 0, Kind.RECV: 0}
         self.links: dict[tuple[int, int], int] = {}
+        self.routes: dict[str, int] = {}  # bytes sent and received per route
         self.seconds = dict.fromkeys(STEPS[:-1], 0.0)
 
-    def count(self, op: Op, *, away: bool) -> None:
-        """Counts an operation posted (``away``: with a peer in another domain)."""
+    def count(self, op: Op, *, away: bool, via: str | None = None) -> None:
+        """Counts an operation posted (``away``: with a peer in another domain; ``via``: the route that
+        carries it, default the sync's transport)."""
         n = op.nbytes
         self.bytes[op.kind] += n
+        route = via if via is not None else self.transport
+        self.routes[route] = self.routes.get(route, 0) + n
         if away:
             self.cross[op.kind] += n
         link = (self.rank, op.peer) if op.kind == Kind.SEND else (op.peer, self.rank)
@@ -52,10 +56,11 @@ class Tally:
         finally:
             self.seconds[step] += time.perf_counter() - t0
 
-    def stats(self, seconds: float) -> ExecutionStats:
-        moved = self.bytes[Kind.SEND] + self.bytes[Kind.RECV]
+    def stats(self, seconds: float, moved: dict[str, int] | None = None) -> ExecutionStats:
+        """The sync's statistics; ``moved``: bytes per route as the transport placed them (default: as posted)."""
+        moved = dict(moved or self.routes) or {self.transport: 0}
         return ExecutionStats(
             seconds=seconds, sent_bytes=self.bytes[Kind.SEND], received_bytes=self.bytes[Kind.RECV],
             cross_domain_sent_bytes=self.cross[Kind.SEND], cross_domain_received_bytes=self.cross[Kind.RECV],
-            delivery=self.delivery, transports=(self.transport,), transport_bytes={self.transport: moved},
+            delivery=self.delivery, transports=tuple(moved), transport_bytes=moved,
             step_seconds=self.seconds, link_bytes=self.links)

@@ -10,9 +10,11 @@ overlap. Results go to ``fault{rank}.json`` (``fault{rank}_standby{k}.json`` for
 fault the error, the seconds from the start of the sync call to the error and the time of the
 error; a victim writes the time of its death to ``dead{k}`` just before it dies.
 
-Faults are injected by ``_fault`` below, for the faulty sync only: it wraps the sender's pack, gives the
-sync a transport that wraps the gloo one (``Faulty``: a fault on the wire or a death while posting), or
-wraps ``torch.distributed.all_gather`` (the control traffic: the handshake, the votes). Names:
+Every sync runs over ``--transport`` (``gloo``, or ``shm``: shared memory, bridge.wire.shm). Faults are
+injected by ``_fault`` below, for the faulty sync only: it wraps the sender's pack, the transport's
+``post`` (a fault on the wire or a death while posting: ``Faulty`` wraps the gloo transport, and with shm
+``ShmTransport.post`` is wrapped for that sync), or ``torch.distributed.all_gather`` (the control
+traffic: the handshake, the votes). Names:
 
   flip               rank 0 flips a byte of a packed message after its digest was taken (bucket 2)
   wire_{damage}      in transit, below the sender's own checks (the bytes of bucket 2 as they go to the
@@ -47,6 +49,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import bridge  # noqa: E402
+from bridge.wire import shm  # noqa: E402
 from bridge.wire.gloo import GlooTransport  # noqa: E402
 from bridge.wire.transport import Kind, Op  # noqa: E402
 from bridge.wire.vote import vote_every  # noqa: E402
@@ -117,9 +120,9 @@ class Faulty(GlooTransport):
         return super().post(self.on_post(self.posts, list(ops)))
 
 
-def _fault(fault: str, rank: int, plan: bridge.BridgePlan, pack, dead: Path):
-    """Installs ``fault`` for this process's next sync; returns the (possibly wrapped) pack, the transport
-    and an undo."""
+def _fault(fault: str, rank: int, plan: bridge.BridgePlan, pack, dead: Path, kind: str):
+    """Installs ``fault`` for this process's next sync over transport ``kind``; returns the (possibly wrapped)
+    pack, the transport and an undo."""
     real_gather = dist.all_gather
     calls = {"gather": 0}
     every = vote_every(plan)  # the handshake, a vote every ``every`` buckets, then the final ack
@@ -169,11 +172,26 @@ def _fault(fault: str, rank: int, plan: bridge.BridgePlan, pack, dead: Path):
         return segs
 
     dist.all_gather = gather
+    real_post = shm.ShmTransport.post
+    posts = {"n": 0}
+
+    def post(self, ops):
+        posts["n"] += 1
+        return real_post(self, on_post(posts["n"], list(ops)))
+
+    if kind == "shm":
+        shm.ShmTransport.post = post  # type: ignore[method-assign]
 
     def undo():
         dist.all_gather = real_gather
+        shm.ShmTransport.post = real_post  # type: ignore[method-assign]
 
-    return wrapped, Faulty(on_post), undo
+    return wrapped, (Faulty(on_post) if kind == "gloo" else "shm"), undo
+
+
+def mapped_dead() -> list[int]:
+    """The ended processes whose shared memory this one still maps (none: their memory is freed)."""
+    return sorted(p for p in shm._MAPS.pids() if not shm._alive(p))
 
 
 def main() -> None:
@@ -183,6 +201,7 @@ def main() -> None:
     ap.add_argument("--faults", required=True, help="comma-separated fault names, run in this order")
     ap.add_argument("--out", required=True)
     ap.add_argument("--standby", type=int, default=-1, help="replace the victim of fault k once it died")
+    ap.add_argument("--transport", choices=("gloo", "shm"), default="gloo")
     args = ap.parse_args()
     plan, arrays = make_plan()
     rank, faults, out = args.rank, args.faults.split(","), Path(args.out)
@@ -196,7 +215,7 @@ def main() -> None:
     params = {p.name: torch.zeros(p.shape, dtype=torch.bfloat16) for p in plan.param_map.for_rank(rank)}
     rec = None if rank == 0 else bridge.Receiver(plan, params, rank=rank, timeout=TIMEOUT, ready_timeout=60)
 
-    def sync(version: int, pack=None, transport=None, digests: bool = True) -> None:
+    def sync(version: int, pack=None, transport: object = args.transport, digests: bool = True) -> None:
         if rank == 0:
             scaled = {k: a * version for k, a in arrays.items()}
             send(plan, pack or wire_sender(plan, scaled, 0.0), version=version, timeout=TIMEOUT, ready_timeout=60,
@@ -232,7 +251,8 @@ def main() -> None:
             v = 2 * k + 2
             scaled = {key: a * v for key, a in arrays.items()}
             before = {key: t.clone() for key, t in params.items()}
-            pack, transport, undo = _fault(fault, rank, plan, wire_sender(plan, scaled, 0.0), out / f"dead{k}")
+            pack, transport, undo = _fault(fault, rank, plan, wire_sender(plan, scaled, 0.0), out / f"dead{k}",
+                                           args.transport)
             t0 = time.perf_counter()
             try:
                 sync(v, pack, transport, checksum(fault))
@@ -248,7 +268,8 @@ def main() -> None:
                 bridge.rebuild_group(rank, WORLD, port=group(k), timeout=60)
         sync(2 * k + 3)
         events["recovery"][fault] = {"exact": rank == 0 or exact(2 * k + 3),
-                                     "version": None if rec is None else rec.version}
+                                     "version": None if rec is None else rec.version, "mapped_dead": mapped_dead(),
+                                     "transport": None if rec is None else dict(rec.last_stats.transport_bytes)}
         save()
     dist.destroy_process_group()
 

@@ -10,6 +10,7 @@ the others, so process start-up is paid once. The tests below check each fault's
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -59,25 +60,30 @@ FAULTS = {
 }
 
 
-def _launch(rank: int, out: Path, ports: str, standby: int = -1) -> subprocess.Popen:
+def _launch(rank: int, out: Path, ports: str, transport: str, standby: int = -1) -> subprocess.Popen:
     cmd = [sys.executable, str(WORKER), "--rank", str(rank), "--ports", ports, "--faults", ",".join(FAULTS),
-           "--out", str(out), "--standby", str(standby)]
+           "--out", str(out), "--standby", str(standby), "--transport", transport]
     tag = f"_standby{standby}" if standby >= 0 else ""
     with open(out / f"fault{rank}{tag}.log", "w") as log:
         return subprocess.Popen(cmd, env=C.worker_env(), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory) -> dict:
+def _shm_files() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+@pytest.fixture(scope="module", params=["gloo", "shm"])
+def run(request, tmp_path_factory) -> dict:
     from tests.bridge.fault_worker import needs_rebuild, victim
 
-    out = tmp_path_factory.mktemp("faults")
+    transport, files = request.param, _shm_files()
+    out = tmp_path_factory.mktemp(f"faults_{transport}")
     ports = ",".join(map(str, C.free_ports(1 + sum(map(needs_rebuild, FAULTS)))))
-    procs = {(r, -1): _launch(r, out, ports) for r in range(3)}
+    procs = {(r, -1): _launch(r, out, ports, transport) for r in range(3)}
     for k, fault in enumerate(FAULTS):
         if victim(fault) is not None:
-            procs[(victim(fault), k)] = _launch(victim(fault), out, ports, standby=k)
+            procs[(victim(fault), k)] = _launch(victim(fault), out, ports, transport, standby=k)
     C.wait_all(procs.values(), LIMIT)
     events: dict[int, dict] = {r: {"faults": {}, "recovery": {}} for r in range(3)}
     for f in out.glob("fault*.json"):  # one rank's processes (original, standbys) ran disjoint faults
@@ -87,8 +93,14 @@ def run(tmp_path_factory) -> dict:
         if "first" in got:
             events[rank]["first"] = got["first"]
     deaths = {k: float((out / f"dead{k}").read_text()) for k in range(len(FAULTS)) if (out / f"dead{k}").exists()}
-    return {"events": events, "deaths": deaths, "logs": C.read_logs(out, tail=3000),
-            "rc": {key: p.returncode for key, p in procs.items()}}
+    return {"events": events, "deaths": deaths, "logs": C.read_logs(out, tail=3000), "transport": transport,
+            "rc": {key: p.returncode for key, p in procs.items()}, "shm_files": (files, _shm_files())}
+
+
+def test_no_segment_is_left_in_dev_shm(run):
+    """Shared memory is nameless (memfd): killed ranks leave nothing behind in /dev/shm."""
+    before, after = run["shm_files"]
+    assert after == before
 
 
 def test_every_process_exits_as_planned(run):
@@ -112,6 +124,12 @@ def test_fault(fault, run):
         assert ev[r]["recovery"][fault]["exact"] is True, (r, fault, logs)
         if r != 0:
             assert ev[r]["recovery"][fault]["version"] == 2 * k + 3, (r, ev[r]["recovery"][fault])
+            # over shm every byte lands in shared memory (the digests travel over gloo)
+            moved = ev[r]["recovery"][fault]["transport"]
+            assert (set(moved) == {"shm", "gloo"} and moved["shm"] > moved["gloo"]) if run["transport"] == "shm" \
+                else set(moved) == {"gloo"}, (r, moved)
+        # a survivor maps no memory of a rank that died (it would live on in the mapping)
+        assert ev[r]["recovery"][fault]["mapped_dead"] == [], (r, fault, ev[r]["recovery"][fault])
         if r == dead:
             continue
         got = ev[r]["faults"][fault]

@@ -1,5 +1,5 @@
 """The wire protocol over each transport, in one process (ranks are threads): rank 0 sends, ranks 1 and 2
-receive. The same protocol tests run over the gloo transport and over the queue test double
+receive. The same protocol tests run over the gloo transport, shared memory and the queue test double
 (``tests/bridge/queue_transport.py``); faults on the queue's wire give every rank a ``SyncError`` within
 the deadline, and leave every receiver's weights and version unchanged."""
 
@@ -21,7 +21,7 @@ from tests.bridge.wire_worker import send, sender
 TIMEOUT = 2.0  # every sync's deadline after its handshake
 PROMPT = 1.0  # seconds past the deadline by which every rank has raised
 RECEIVERS = (1, 2)
-TRANSPORTS = ("gloo", "queue")
+TRANSPORTS = ("gloo", "shm", "queue")
 MODES = {"held": {}, "swap": {"swap": True}, "inplace": {"atomic": False}}
 
 
@@ -57,8 +57,8 @@ class Rank:
         self.rec = None if rank == 0 else bridge.Receiver(PLAN, self.params, rank=rank, timeout=TIMEOUT,
                                                           ready_timeout=30, **receiver)
 
-    def transport(self, fault: Fault | None = None) -> Transport:
-        return QueueTransport(self.hub, self.rank, fault) if self.kind == "queue" else GlooTransport(self.group)
+    def transport(self, fault: Fault | None = None) -> Transport | str:
+        return QueueTransport(self.hub, self.rank, fault) if self.kind == "queue" else self.kind
 
     def sync(self, version: int, *, pack=None, fault: Fault | None = None, checksum: bool = False) -> dict:
         """One sync; what happened (``ok``, the error, the seconds it took, whether the weights changed)."""
@@ -98,7 +98,11 @@ def test_a_sync_is_exact_over_each_transport(kind, mode):
     for r, (first, again, stats) in enumerate(_check(run_ranks(3, rank_main))):
         assert first == again == {"ok": True, "exact": True}, (r, first, again)
         if stats is not None:
-            assert dict(stats.transport_bytes) == {kind: stats.received_bytes} and stats.received_bytes > 0
+            moved = dict(stats.transport_bytes)
+            if kind == "shm":  # receives into the params themselves (swap's shadow, in place) go over gloo
+                assert sum(moved.values()) == stats.received_bytes and moved["shm"] > 0, moved
+            else:
+                assert moved == {kind: stats.received_bytes} and stats.received_bytes > 0, moved
             assert stats.delivery == "direct" and "commit" in stats.step_seconds
 
 
@@ -209,7 +213,11 @@ def test_a_slow_link_within_the_deadline_still_syncs():
 
 def test_transports_implement_the_protocol():
     assert isinstance(GlooTransport(), Transport) and isinstance(QueueTransport(Hub(), 0), Transport)
-    with pytest.raises(TypeError, match="transport must implement bridge.wire.transport.Transport"):
-        check_transport(object(), None)
+    with pytest.raises(TypeError, match="transport must be 'auto', 'shm', 'gloo' or implement"):
+        check_transport(object())
+    with pytest.raises(ValueError, match="transport='nccl' is not built yet"):
+        check_transport("nccl")
+    with pytest.raises(ValueError, match="transport must be one of"):
+        check_transport("tcp")
     with pytest.raises(ValueError, match="kind must be one of"):
         Fault("lose")
