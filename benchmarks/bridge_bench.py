@@ -4,10 +4,15 @@ Setup: 2 JAX trainer processes (2 simulated CPU devices each, FSDP over 4) and 2
 inference ranks (TP2, vLLM-style fused qkv/gate_up, padded vocabulary), all on 127.0.0.1
 over gloo. The weights are float32 in JAX and bfloat16 on the inference ranks.
 
-  bridge     the defaults: bridge.trainer.sender.Sender -> bridge.Receiver (DLPack export, XLA
-             cast/transpose, contiguous pieces sent and received in place, the rest packed;
-             lengths checked (sender, votes, the transport's framing), no digests; atomic commit
-             by copy on the receivers)
+  bridge     over gloo (transport="gloo"): bridge.trainer.sender.Sender -> bridge.Receiver (DLPack
+             export, XLA cast/transpose, contiguous pieces sent and received in place, the rest
+             packed; lengths checked (sender, votes, the transport's framing), no digests; atomic
+             commit by copy on the receivers). The rows below but shm run over gloo too
+  shm        the defaults (transport="auto", which picks shared memory here: every rank is on
+             this host): the same, with the trainers copying each piece straight into the
+             receivers' held bytes (bridge.wire.shm), only credits and headers over gloo
+  memcopy    one memory copy of the bytes the receivers need: each receiver copies as many bytes
+             as it receives, once, between two preallocated buffers (the trainers do nothing)
   swap       the same with Receiver(swap=True): the atomic commit swaps storage (no copy), so
              what is left over the floor is the protocol itself (votes, buckets, staging)
   atomic=False the same with Receiver(atomic=False): received in place, no shadow, no commit
@@ -326,8 +331,10 @@ def worker(args) -> None:
                 w.wait()
 
         version = itertools.count(1)
-        bridges = {"bridge": sender, "swap": sender, "inplace": sender, "checksum": checked}
-        runs = {k: (lambda s=s: s.sync(params, version=next(version))) for k, s in bridges.items()}
+        bridges = {"bridge": sender, "shm": sender, "swap": sender, "inplace": sender, "checksum": checked}
+        runs = {k: (lambda s=s, k=k: s.sync(params, version=next(version), transport=ROUTE.get(k, "gloo")))
+                for k, s in bridges.items()}
+        runs["memcopy"] = lambda: None
     else:
         mine = plan.param_map.for_rank(rank)
         wire = getattr(torch, mine[0].dtype)
@@ -335,7 +342,7 @@ def worker(args) -> None:
         def zeros() -> dict[str, torch.Tensor]:
             return {p.name: torch.zeros(p.shape, dtype=wire) for p in mine}
 
-        local, swapped, inplace, sliced, piped = zeros(), zeros(), zeros(), zeros(), zeros()
+        local, swapped, inplace, sliced, piped, shared = zeros(), zeros(), zeros(), zeros(), zeros(), zeros()
         receiver = bridge.Receiver(plan, local, rank=rank, timeout=300)
         # The default Receiver's own held bytes and commit, into params of their own (checked like the others).
         holder = bridge.Receiver(plan, piped, rank=rank, timeout=300)
@@ -351,10 +358,14 @@ def worker(args) -> None:
             with torch.no_grad():
                 holder.strategy.commit()
         # checksum: the same receiver; the senders send digests, the receivers check them
-        bridges = {"bridge": receiver, "swap": bridge.Receiver(plan, swapped, rank=rank, timeout=300, swap=True),
+        bridges = {"bridge": receiver, "shm": bridge.Receiver(plan, shared, rank=rank, timeout=300),
+                   "swap": bridge.Receiver(plan, swapped, rank=rank, timeout=300, swap=True),
                    "inplace": bridge.Receiver(plan, inplace, rank=rank, timeout=300, atomic=False),
                    "checksum": receiver}
-        runs = {k: r.sync for k, r in bridges.items()}
+        runs = {k: (lambda r=r, k=k: r.sync(transport=ROUTE.get(k, "gloo"))) for k, r in bridges.items()}
+        need = sum(m.nbytes for m in plan.messages if m.dst == rank)
+        held, into = torch.ones(max(need, 1), dtype=torch.uint8), torch.ones(max(need, 1), dtype=torch.uint8)
+        runs["memcopy"] = lambda: into.copy_(held)
         by_leaf: dict[str, list] = {}
         for p in mine:
             for r in p.regions:
@@ -405,15 +416,19 @@ def worker(args) -> None:
                                  "cpu": {k: v[1:] for k, v in cpu.items()},
                                  "main_cpu": {k: v[1:] for k, v in main_cpu.items()}}), flush=True)
     if rank == RECEIVERS[0]:
-        same = all(torch.equal(t[n], sliced[n]) for t in (local, swapped, inplace, piped) for n in local)
+        same = all(torch.equal(t[n], sliced[n]) for t in (local, shared, swapped, inplace, piped) for n in local)
+        shm_bytes = dict(bridges["shm"].last_stats.transport_bytes)
         out = {"times": times, "bridge_equals_gather": same, "network_bytes": plan.network_bytes,
                "recv_bytes": plan.rank_bytes()["recv"], "buckets": plan.num_buckets,
                "model_bytes_f32": sum(4 * int(np.prod(lay.shape)) for _, lay in src.items()),
-               "moves": len(plan.moves), "messages": len(plan.messages)}
+               "moves": len(plan.moves), "messages": len(plan.messages), "shm_transport_bytes": shm_bytes}
         print("RESULT " + json.dumps(out), flush=True)
     dist.barrier()
     if rank in TRAINERS:
         os._exit(0)  # skip the JAX coordination shutdown barrier
+
+
+ROUTE = {"shm": "auto"}  # the transport of each bridge row (else "gloo")
 
 
 def _jax_params(args, src):

@@ -94,7 +94,8 @@ def report(args, cfg, res) -> None:
           f"{res['moves']} boxes in {res['messages']} messages; bridge result == gather result: "
           f"{res['bridge_equals_gather']}")
     print(f"repetitions: {args.reps} (after one warm-up), medians:")
-    for k, label in (("bridge", "bridge (defaults)"), ("swap", "bridge, swap=True"),
+    for k, label in (("bridge", "bridge over gloo"), ("shm", "bridge over shm (defaults)"),
+                     ("memcopy", "one copy of the received bytes"), ("swap", "bridge, swap=True"),
                      ("inplace", "bridge, atomic=False"), ("checksum", "bridge, checksum=True"),
                      ("gather", "gather-then-broadcast"),
                      ("raw", "raw p2p, same bytes"), ("floor", "floor: layout work + raw"),
@@ -103,7 +104,11 @@ def report(args, cfg, res) -> None:
         ts = res["times"][k]
         print(f"  {label:<32} {med[k] * 1e3:9.1f} ms   {nbytes / med[k] / 1e9:6.2f} GB/s of bridge bytes   "
               f"(min {min(ts) * 1e3:.1f}, max {max(ts) * 1e3:.1f})")
-    print(f"speed-up over gather-then-broadcast: {med['gather'] / med['bridge']:.2f}x (goal >= 2x)")
+    print(f"shared memory (transport='auto', bytes per route on a receiver: {res['shm_transport_bytes']}): "
+          f"shm time / gloo time = {med['shm'] / med['bridge']:.2f} (goal <= 0.6); shm time / one memory copy of "
+          f"the bytes the receivers need = {med['shm'] / med['memcopy']:.2f} (goal <= 1.3)")
+    print(f"speed-up over gather-then-broadcast: {med['gather'] / med['bridge']:.2f}x over gloo, "
+          f"{med['gather'] / med['shm']:.2f}x over shm (goal >= 2x)")
     print(f"fraction of raw p2p bandwidth:       {med['raw'] / med['bridge'] * 100:.0f}% (goal >= 70%); "
           f"with swap=True {med['raw'] / med['swap'] * 100:.0f}%")
     print(f"raw p2p in the bridge's buckets: {med['raw'] / med['rawb'] * 100:.0f}% of raw p2p in one batch")

@@ -8,11 +8,12 @@ takes shared memory only where both of its ranks allow it):
 ==============  ====================================================================================
 mode            route of a pair of ranks that exchange payload
 ==============  ====================================================================================
-``"auto"``      ``"shm"`` where both ranks are processes of one host (same boot id, host name and
-                PID namespace), in one domain of the plan, with their tensors in host memory;
-                ``"gloo"`` otherwise
-``"shm"``       ``"shm"`` for every pair; a pair on two hosts, or with a CUDA side, is refused
-                before any payload moves
+``"auto"``      ``"shm"`` where both ranks are processes of one host (same boot id, host name, PID
+                and network namespaces: the nodes that ``benchmarks/cluster.py`` simulates with
+                network namespaces are hosts apart) with their tensors in host memory; ``"gloo"``
+                otherwise
+``"shm"``       the same, but a pair on two hosts, or with a CUDA side, is refused before any
+                payload moves
 ``"gloo"``      ``"gloo"`` for every pair (``torch.distributed`` point to point on the sync's group)
 ==============  ====================================================================================
 
@@ -24,11 +25,11 @@ tests use, or a test double that every rank passes).
   >>> from bridge.wire.route import Mode, Place, routes
   >>> a, b = Place(host=7, pid=100, device="cpu"), Place(host=7, pid=200, device="cpu")
   >>> auto = {0: Mode.AUTO, 1: Mode.AUTO}
-  >>> routes(auto, {0: a, 1: b}, pairs=[(0, 1)], domain={0: 0, 1: 0}, rank=0)
+  >>> routes(auto, {0: a, 1: b}, pairs=[(0, 1)], rank=0)
   {1: 'shm'}
-  >>> routes(auto, {0: a, 1: b._replace(host=8)}, pairs=[(0, 1)], domain={0: 0, 1: 0}, rank=0)
+  >>> routes(auto, {0: a, 1: b._replace(host=8)}, pairs=[(0, 1)], rank=0)
   {1: 'gloo'}
-  >>> routes({0: Mode.AUTO, 1: Mode.GLOO}, {0: a, 1: b}, pairs=[(0, 1)], domain={0: 0, 1: 0}, rank=0)
+  >>> routes({0: Mode.AUTO, 1: Mode.GLOO}, {0: a, 1: b}, pairs=[(0, 1)], rank=0)
   {1: 'gloo'}
 """
 
@@ -81,8 +82,8 @@ MODES = {"auto": Mode.AUTO, "gloo": Mode.GLOO, "shm": Mode.SHM, "cuda_ipc": Mode
 
 
 class Place(NamedTuple):
-    """Where a rank's tensors live: its host (a 63-bit digest of boot id, host name and PID namespace),
-    its process id, and ``"cpu"`` or ``"cuda"``."""
+    """Where a rank's tensors live: its host (a 63-bit digest of boot id, host name, PID and network
+    namespaces), its process id, and ``"cpu"`` or ``"cuda"``."""
 
     host: int
     pid: int
@@ -98,10 +99,13 @@ def _host() -> int:
                 parts.append(f.read().strip())
         except OSError:
             parts.append("no boot id")
-    try:  # processes of two PID namespaces cannot open each other's /proc/<pid>/fd
-        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
-    except OSError:
-        parts.append("no pid namespace")
+    # Processes of two PID namespaces cannot open each other's /proc/<pid>/fd; two network namespaces
+    # stand for two hosts (a container's own network, a simulated node).
+    for ns in ("pid", "net"):
+        try:
+            parts.append(str(os.stat(f"/proc/self/ns/{ns}").st_ino))
+        except OSError:
+            parts.append(f"no {ns} namespace")
     return xxhash.xxh3_64_intdigest("\0".join(parts).encode()) & ((1 << 63) - 1)
 
 
@@ -111,12 +115,11 @@ def here(device: str) -> Place:
 
 
 def routes(modes: Mapping[int, Mode], places: Mapping[int, Place], *, pairs: Iterable[tuple[int, int]],
-           domain: Mapping[int, int], rank: int) -> dict[int, str]:
+           rank: int) -> dict[int, str]:
     """The route to every peer that ``rank`` exchanges payload with (``pairs``: (sender, receiver) ranks),
     from what both ranks of each pair asked for (``modes``) and where they are (``places``): gloo where
     either asked for gloo or brought a ``Transport`` object of its own (which carries its side of every
-    pair), shared memory where both asked for ``"shm"`` or ``"auto"`` and the pair can share memory
-    (for ``"auto"`` alone, also in one domain of the plan).
+    pair), shared memory where both asked for ``"shm"`` or ``"auto"`` and the pair can share memory.
 
     Raises ``SyncError`` where a rank asked for ``"shm"`` and a pair of it cannot share memory (every
     rank checks every pair, so all of them raise alike, before any payload moves).
@@ -133,6 +136,6 @@ def routes(modes: Mapping[int, Mode], places: Mapping[int, Place], *, pairs: Ite
             raise SyncError(f"rank {rank}: transport='shm' but ranks {s} and {d} are {why}; pass transport='auto' "
                             "(shared memory where it can be used, gloo elsewhere) or 'gloo'.")
         if rank in (s, d):
-            shared = asked <= {Mode.AUTO, Mode.SHM} and local and (Mode.SHM in asked or domain[s] == domain[d])
+            shared = asked <= {Mode.AUTO, Mode.SHM} and local
             out[d if rank == s else s] = "shm" if shared else "gloo"
     return out

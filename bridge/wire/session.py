@@ -225,8 +225,7 @@ class SyncSession:
                            time.monotonic() + self.ready_timeout)
         self.version, self.checksum = agreed.version, agreed.digests
         pairs = {(m.src, m.dst) for m in self.plan.messages}
-        domain = {r: self.plan.domain_of(r) for r in self.ranks}
-        self.routes = routes(agreed.modes, agreed.places, pairs=pairs, domain=domain, rank=self.rank)
+        self.routes = routes(agreed.modes, agreed.places, pairs=pairs, rank=self.rank)
         if self.transport is None:
             self.transport = self._open_transport(agreed.places)
 

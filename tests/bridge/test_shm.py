@@ -80,23 +80,22 @@ def test_a_sender_writes_only_inside_the_credited_region():
 
 
 ROUTE_CASES = {
-    # name: (modes of ranks 0 and 1, place of rank 1, same domain, route)
-    "auto-same-host": ((Mode.AUTO, Mode.AUTO), B, True, "shm"),
-    "auto-other-host": ((Mode.AUTO, Mode.AUTO), B._replace(host=8), True, "gloo"),
-    "auto-other-domain": ((Mode.AUTO, Mode.AUTO), B, False, "gloo"),
-    "auto-cuda": ((Mode.AUTO, Mode.AUTO), B._replace(device="cuda"), True, "gloo"),
-    "shm-other-domain": ((Mode.SHM, Mode.AUTO), B, False, "shm"),
-    "gloo-wins": ((Mode.AUTO, Mode.GLOO), B, True, "gloo"),
-    "custom-is-gloo": ((Mode.CUSTOM, Mode.AUTO), B, True, "gloo"),
+    # name: (modes of ranks 0 and 1, place of rank 1, route)
+    "auto-same-host": ((Mode.AUTO, Mode.AUTO), B, "shm"),
+    "auto-other-host": ((Mode.AUTO, Mode.AUTO), B._replace(host=8), "gloo"),
+    "auto-cuda": ((Mode.AUTO, Mode.AUTO), B._replace(device="cuda"), "gloo"),
+    "shm-and-auto": ((Mode.SHM, Mode.AUTO), B, "shm"),
+    "gloo-wins": ((Mode.AUTO, Mode.GLOO), B, "gloo"),
+    "custom-is-gloo": ((Mode.CUSTOM, Mode.AUTO), B, "gloo"),
 }
 
 
 @pytest.mark.parametrize("case", list(ROUTE_CASES))
 def test_both_ranks_of_a_pair_choose_the_same_route(case):
-    (m0, m1), b, same, want = ROUTE_CASES[case]
-    places, domain = {0: A, 1: b}, {0: 0, 1: 0 if same else 1}
-    got0 = routes({0: m0, 1: m1}, places, pairs=[(0, 1)], domain=domain, rank=0)
-    got1 = routes({0: m0, 1: m1}, places, pairs=[(0, 1)], domain=domain, rank=1)
+    (m0, m1), b, want = ROUTE_CASES[case]
+    places = {0: A, 1: b}
+    got0 = routes({0: m0, 1: m1}, places, pairs=[(0, 1)], rank=0)
+    got1 = routes({0: m0, 1: m1}, places, pairs=[(0, 1)], rank=1)
     assert got0 == {1: want} and got1 == {0: want}
 
 
@@ -105,7 +104,7 @@ def test_shm_across_hosts_is_refused_on_every_rank():
     modes = {0: Mode.SHM, 1: Mode.SHM, 2: Mode.SHM}
     for rank in (0, 1, 2):  # rank 1 is in no bad pair, and raises too: no rank waits for the others
         with pytest.raises(SyncError, match="transport='shm' but ranks 0 and 2 are on two hosts"):
-            routes(modes, places, pairs=[(0, 1), (0, 2)], domain=dict.fromkeys(places, 0), rank=rank)
+            routes(modes, places, pairs=[(0, 1), (0, 2)], rank=rank)
 
 
 @pytest.mark.parametrize("name", ["cuda_ipc", "nccl"])
