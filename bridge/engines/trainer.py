@@ -35,6 +35,7 @@ from bridge.plan.bridge_plan import BridgePlan
 from bridge.plan.fp8 import Fp8ParamMap
 from bridge.recipes.recipe import Recipe
 from bridge.trainer.sender import Sender, describe
+from bridge.wire.route import Mode
 from jreshard.core.args import check_flag, check_int, check_name, check_seconds
 
 __all__ = ["EngineControl", "SyncReport", "TrainerSync"]
@@ -81,11 +82,14 @@ class SyncReport:
         Every rank also reports the wire's steps (``handshake``, ``pack``, ``vote``, ``post``,
         ``wait``; see ``bridge.wire.session.SyncSession``): a trainer's ``pack`` includes XLA's casts and
         transposes, a worker's ``vote`` and ``wait`` its time waiting for the trainers.
+      transport_bytes: per worker rank, the bytes it received per route (``"shm"``: written into its
+        staging by trainers on its host; ``"gloo"``: over sockets; ``bridge.wire.route``).
     """
 
     version: int
     bytes_received: dict[int, int]
     seconds: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
+    transport_bytes: dict[int, dict[str, int]] = dataclasses.field(default_factory=dict)
 
 
 class TrainerSync:
@@ -110,13 +114,16 @@ class TrainerSync:
       checksum: the ``Sender`` sends a digest of every piece, which the workers check before anything
         is committed (off by default, see ``Sender``; lengths are always checked, a flipped byte only
         with digests).
+      transport: ``"auto"`` (shared memory with workers on this host, gloo with the others), ``"shm"``
+        or ``"gloo"`` (``bridge.wire.route``; the workers ask for ``"auto"``, and a pair takes shared
+        memory only where both sides allow it).
     """
 
     def __init__(self, recipe: Recipe, *, workers: int, control: EngineControl | None = None,
                  rank: int | None = None, trainers: int | None = None, host: str = "127.0.0.1", port: int,
                  bucket_bytes: int = 16 << 20, timeout: float = 60.0, ready_timeout: float = 600.0,
                  secret: bytes | str | None = None,
-                 checksum: bool = False) -> None:
+                 checksum: bool = False, transport: str = "auto") -> None:
         import jax
 
         if not isinstance(recipe, Recipe):
@@ -135,6 +142,10 @@ class TrainerSync:
         self.bucket_bytes = check_int("bucket_bytes", bucket_bytes, minimum=1)
         secret = None if secret is None else check_secret("secret", secret)
         self.checksum = check_flag("checksum", checksum)
+        if not isinstance(transport, str):
+            raise TypeError(f"transport must be 'auto', 'shm' or 'gloo', got {type(transport).__name__}.")
+        Mode.parse(transport)
+        self.transport = transport
         self.info = GroupInfo(*args, secret=_job_secret(secret, self.rank, self.trainers, port, ready_timeout))
         self.group: Any = None
         self.plan: BridgePlan | None = None
@@ -217,7 +228,7 @@ class TrainerSync:
                 begun = True
                 update = self._pool.submit(self.control.update, version)
             t0 = time.perf_counter()
-            self.sender.sync(params, version, group=self.group)
+            self.sender.sync(params, version, group=self.group, transport=self.transport)
             seconds = {"send": time.perf_counter() - t0, **wire_seconds(self.sender.last_stats)}
             rows = all_gather_json({"rank": self.rank, "error": None, "seconds": seconds}, self.group,
                                    timeout=self.info.timeout, what="the commit report")
@@ -237,7 +248,8 @@ class TrainerSync:
             raise
         workers = [r for r in rows if r["rank"] >= self.trainers]
         return SyncReport(version, {r["rank"]: int(r["bytes_received"]) for r in workers},
-                          {r["rank"]: r.get("seconds", {}) for r in rows})
+                          {r["rank"]: r.get("seconds", {}) for r in rows},
+                          {r["rank"]: {k: int(v) for k, v in r.get("transport_bytes", {}).items()} for r in workers})
 
     def close(self) -> None:
         """Closes the group and releases the port; the engine's workers then take a new ``TrainerSync``'s group.

@@ -25,6 +25,7 @@ the methods return whether they succeeded.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -38,6 +39,7 @@ from bridge.engines.group import all_gather_json, close_group, open_group, owner
 from bridge.engines.membership import check_secret
 from bridge.errors import SyncError
 from bridge.plan.bridge_plan import BridgePlan
+from bridge.wire import shm
 from bridge.wire.receiver import Receiver
 from bridge.wire.session import torch_dtype
 from jreshard.core.args import check_int, check_name, check_seconds
@@ -128,9 +130,18 @@ class StagingReceiver(Receiver):
             # this receiver does not make): one tensor per storage here, so that only others count.
             self.rebind(name, self.params[name])
             if _shared(self.params[name]):
-                self.rebind(name, torch.empty_like(self.params[name]))
+                old = self.params[name]
+                self.rebind(name, _staging({name: (tuple(old.shape), old.dtype)}, old.device)[name])
                 renewed.append(name)
         return renewed
+
+
+def _staging(specs: dict[str, tuple[Any, torch.dtype]], device: Any) -> dict[str, torch.Tensor]:
+    """Zeroed staging tensors; in host memory, in one shared-memory segment that same-host trainers write
+    into (``bridge.wire.shm``, a segment per tensor), so a sync's bytes reach them without a socket."""
+    if torch.device(device).type == "cpu":
+        return shm.tensors(specs)
+    return {n: torch.zeros(shape, dtype=dtype, device=device) for n, (shape, dtype) in specs.items()}
 
 
 def _use_count(t: torch.Tensor) -> int:
@@ -141,7 +152,15 @@ def _shared(t: torch.Tensor) -> bool:
     """Whether a tensor other than ``t`` (a view, a Parameter, a kernel's saved tensor) holds its storage."""
     if not hasattr(torch._C, "_storage_Use_Count"):
         return True  # cannot tell: assume the model holds it
-    return _use_count(t) > _use_count(torch.empty(1, dtype=t.dtype, device=t.device))
+    return _use_count(t) > (_shm_refs() if shm.find(t) is not None else
+                            _use_count(torch.empty(1, dtype=t.dtype, device=t.device)))
+
+
+@functools.cache
+def _shm_refs() -> int:
+    """What holds the storage of a shared-memory staging tensor that nothing else holds (its segment
+    does too), measured once."""
+    return _use_count(shm.tensors({"probe": ((1,), torch.uint8)})["probe"])
 
 
 CommitFn = Callable[[Mapping[str, torch.Tensor], frozenset[str]], Commit]
@@ -200,7 +219,7 @@ class WorkerSync:
             agreed = agree(hellos)
             self.plan = agreed.plan
             mine = self.plan.param_map.for_rank(self.rank)
-            staging = {p.name: torch.zeros(p.shape, dtype=torch_dtype(p.dtype), device=self.device) for p in mine}
+            staging = _staging({p.name: (p.shape, torch_dtype(p.dtype)) for p in mine}, self.device)
             live = {n for n, _, _ in hello["params"]}
             self._tied = {name: src for name, src in agreed.tied.items() if name in live and src in staging}
             self.receiver = StagingReceiver(self.plan, staging, rank=self.rank, atomic=False, timeout=info.timeout,
@@ -265,7 +284,7 @@ class WorkerSync:
             except Exception as e:
                 error = f"committing version {got} failed: {type(e).__name__}: {e}"
         if not self._report(error, "the commit report", version=got, bytes_received=self.receiver.bytes_received,
-                            seconds=seconds):
+                            transport_bytes=dict(self.receiver.last_stats.transport_bytes), seconds=seconds):
             return False
         self.version = got
         return True

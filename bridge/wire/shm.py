@@ -7,7 +7,8 @@ against resizing, mapped in the receiver and registered by address. No name exis
 memory with the last mapping) and no other job can guess or open one by name; a sender opens
 it through ``/proc/<receiver pid>/fd/<fd>``, which the kernel allows only to processes that may
 read the receiver's memory anyway (same user, same PID namespace). Senders map each segment
-once and keep the mapping (``SENDER_MAPS`` at most, least recently used dropped).
+once and keep the mapping while syncs write into it (those a sync did not write are dropped at its
+end, and ``SENDER_MAPS`` at most are kept).
 
 Per bucket and pair (receiver-posted buffers, as RDMA rendezvous protocols do), over the sync's
 gloo group:
@@ -36,12 +37,13 @@ import collections
 import contextlib
 import fcntl
 import functools
+import math
 import mmap
 import os
 import secrets
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -53,13 +55,13 @@ from bridge.wire.alarm import Waiter
 from bridge.wire.gloo import HEADER_TAG, HEADER_WORDS, MAGIC, GlooTransport, _describe, _Framed, frame
 from bridge.wire.transport import Kind, Op, WrongLength
 
-__all__ = ["Segment", "staging", "find", "ShmTransport", "CREDIT_TAG", "SENDER_MAPS"]
+__all__ = ["Segment", "staging", "tensors", "find", "ShmTransport", "CREDIT_TAG", "SENDER_MAPS"]
 
 CREDIT_TAG = 2
 CREDIT_MAGIC = 0x4A52_4352_4544_4954  # "JRCREDIT"
 SEGMENT_MAGIC = 0x4A52_5348_4D53_4731  # "JRSHMSG1"
 HEAD = 64  # bytes before a segment's payload: magic, token
-SENDER_MAPS = 16
+SENDER_MAPS = 64
 MAX_OPS = 1 << 20  # the most receives one credit may list
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # fault every page in at once, not one by one on first touch
 
@@ -89,7 +91,7 @@ class Segment:
         self.ptr = self.tensor.data_ptr()
         _SEGMENTS[self.ptr] = self
         # No lock here or in the finalizer: the garbage collector may run it inside any allocation.
-        weakref.finalize(self.tensor, _close, fd)
+        weakref.finalize(self, _close, fd)
 
 
 # Segments by address; an entry goes with its segment (a weak dictionary is safe to iterate meanwhile).
@@ -105,9 +107,30 @@ def staging(nbytes: int) -> torch.Tensor:
     """``nbytes`` (at least 1) of uint8 host memory that same-host senders can write into (a ``Segment``).
 
     The segment lives as long as the returned tensor (views of it keep the memory, not the segment's
-    registration: keep the tensor itself).
+    registration: keep the tensor itself, or make tensors with ``tensors``).
     """
     return Segment(max(int(nbytes), 1)).tensor
+
+
+def tensors(specs: Mapping[str, tuple[Sequence[int], torch.dtype]]) -> dict[str, torch.Tensor]:
+    """Zeroed tensors of the given shapes and dtypes by name, each in a segment of its own (so each has
+    a storage of its own, as ``torch.zeros`` gives): an engine worker's staging that same-host senders
+    write into. Each tensor keeps its segment alive (whose own tensor holds the storage too).
+
+      >>> import torch
+      >>> from bridge.wire.shm import find, tensors
+      >>> t = tensors({"a": ((2, 3), torch.float32), "b": ((5,), torch.bfloat16)})
+      >>> t["a"].shape, find(t["b"])[1]
+      (torch.Size([2, 3]), 0)
+    """
+    out = {}
+    for n, (shape, dtype) in specs.items():
+        size = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        seg = Segment(max(size, 1))
+        t = seg.tensor[:size].view(dtype).view(tuple(shape))
+        t._jreshard_segment = seg  # type: ignore[attr-defined]
+        out[n] = t
+    return out
 
 
 def find(t: torch.Tensor) -> tuple[Segment, int] | None:
@@ -154,6 +177,13 @@ class _Maps:
         """The processes whose segments are mapped here."""
         with self._lock:
             return {key[0] for key in self._maps}
+
+    def keep_only(self, pids: set[int], used: set[tuple[int, int, int]]) -> None:
+        """Of the segments of ``pids``, unmaps those not in ``used`` (a receiver freed or replaced them:
+        their memory would live on in the mapping)."""
+        with self._lock:
+            for key in [k for k in self._maps if k[0] in pids and k not in used]:
+                del self._maps[key]
 
     def drop(self, pids: set[int] | None = None) -> None:
         """Unmaps the segments of ``pids`` (default: of processes that ended)."""
@@ -223,6 +253,7 @@ class ShmTransport(GlooTransport):
         self._senders: dict[int, Waiter] = {}  # per peer sent to through shared memory
         self._keep: list[torch.Tensor] = []  # credits and headers until the transport closes
         self.moved: dict[str, int] = {}  # bytes sent and received per route, as they were placed
+        self._used: set[tuple[int, int, int]] = set()  # the receivers' segments written in this sync
         self._count = threading.Lock()
         _MAPS.drop()
 
@@ -298,6 +329,7 @@ class ShmTransport(GlooTransport):
                 later.append(op.buf)
             else:
                 _MAPS.region(peer, self.pids[peer], slot).copy_(op.buf.reshape(-1).view(torch.uint8))
+                self._used.add((self.pids[peer], slot.fd, slot.token))
             self._moved("gloo" if slot.fd < 0 else "shm", slot.nbytes)
         return [pg.send([head], gpeer, HEADER_TAG)] + [pg.send([b], gpeer, 0) for b in later], None
 
@@ -330,6 +362,9 @@ class ShmTransport(GlooTransport):
         _MAPS.drop({self.pids[p] for p, r in self.routes.items() if r == "shm"})
 
     def close(self) -> None:
+        """Ends the transport; of its receivers' segments, only those this sync wrote stay mapped."""
+        if self._used:
+            _MAPS.keep_only({self.pids[p] for p, r in self.routes.items() if r == "shm"}, self._used)
         super().close()
         for w in self._senders.values():
             w.close()

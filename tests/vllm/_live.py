@@ -241,6 +241,8 @@ def check_two_syncs(engine: dict, tmp_path: Path, *, padded_vocab: bool, atol: f
             assert sorted(rec["bytes_received"]) == workers
             for r in workers:
                 assert rec["bytes_received"][r] == rec["plan_recv"][r] == rec["region_bytes"][r]
+                # trainers and workers share this host: "auto" writes every byte into the workers' staging
+                assert rec["transport_bytes"][r] == {"shm": rec["bytes_received"][r]}, rec["transport_bytes"]
             assert rec["region_bytes"][workers[0]] == rec["param_bytes"][workers[0]]
             assert (rec["region_bytes"][workers[1]] < rec["param_bytes"][workers[1]]) == padded_vocab
             before = got

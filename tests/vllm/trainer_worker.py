@@ -140,6 +140,7 @@ def main() -> None:
             events["syncs"][str(v)] = {
                 "ok": True, "seconds": time.perf_counter() - t0, "loss": float(loss), "fp8": sync.fp8 is not None,
                 "bytes_received": {str(r): n for r, n in report.bytes_received.items()},
+                "transport_bytes": {str(r): moved for r, moved in report.transport_bytes.items()},
                 "plan_recv": {str(r): n for r, n in plan.rank_bytes()["recv"].items()},
                 "param_bytes": {str(r): sum(int(np.prod(p.shape)) * size[p.name] for p in plan.param_map.for_rank(r))
                                 for r in plan.param_map.ranks},

@@ -83,7 +83,8 @@ class VLLMWeightSync(TrainerSync):
       recipe: how the trainer's leaves become vLLM params (``Recipe.llama(config)``, ...).
       workers: the number of vLLM workers (TP x DP of the engine).
       client: the engine's weight-sync client; required on trainer rank 0, ignored elsewhere.
-      rank, trainers, host, port, bucket_bytes, timeout, ready_timeout, secret, checksum: as ``TrainerSync``'s.
+      rank, trainers, host, port, bucket_bytes, timeout, ready_timeout, secret, checksum, transport: as
+        ``TrainerSync``'s (with ``"auto"``, an engine on this host gets its bytes through shared memory).
         The secret reaches the workers in the init info of ``init_weight_transfer_engine`` (as hex):
         keep that call on a channel only the job can read (the process itself, a private network, HTTPS).
 
@@ -99,7 +100,8 @@ class VLLMWeightSync(TrainerSync):
     def __init__(self, recipe: Recipe, *, workers: int, client: Any = None, rank: int | None = None,
                  trainers: int | None = None, host: str = "127.0.0.1", port: int, bucket_bytes: int = 16 << 20,
                  secret: bytes | str | None = None,
-                 timeout: float = 60.0, ready_timeout: float = 600.0, checksum: bool = False) -> None:
+                 timeout: float = 60.0, ready_timeout: float = 600.0, checksum: bool = False,
+                 transport: str = "auto") -> None:
         if rank is None:
             import jax
 
@@ -107,5 +109,4 @@ class VLLMWeightSync(TrainerSync):
         control = ClientControl(client) if rank == 0 else None
         super().__init__(recipe, workers=workers, control=control, rank=rank, trainers=trainers, host=host,
                          port=port, bucket_bytes=bucket_bytes, timeout=timeout, ready_timeout=ready_timeout,
-                         secret=secret,
-                         checksum=checksum)
+                         secret=secret, checksum=checksum, transport=transport)
