@@ -174,8 +174,10 @@ def bridge_worker(a) -> None:
         nonzero = all(bool(v.any()) for v in first.values())
         if rank == RECEIVERS[0]:
             plan_bytes = {m: _cross_node_bytes(p) for m, p in plans.items()}
+            routes = {m: dict(r.last_stats.transport_bytes) for m, r in receivers.items()}
             print("RESULT " + json.dumps({"results": results, "same": same and nonzero, "plan_bytes": plan_bytes,
-                                          "buckets": {m: p.num_buckets for m, p in plans.items()}}), flush=True)
+                                          "buckets": {m: p.num_buckets for m, p in plans.items()},
+                                          "routes": routes}), flush=True)
     dist.barrier()
     os._exit(0)  # skip the JAX coordination shutdown barrier
 
@@ -564,6 +566,8 @@ def main() -> None:
                     f"the wire, {a.bucket_mb} MiB buckets {r['buckets']}; {a.reps} repetitions after a warm-up; all "
                     f"modes give the same weights: {r['same']} ({time.perf_counter() - t0:.0f} s)",
                     r["results"], r["plan_bytes"], pred["a"] if pred else None, cluster is not None)
+            print(f"  bytes per route on inference rank {RECEIVERS[0]} (shm: from a rank of its own node; gloo: over "
+                  f"the links): {r.get('routes')}")
             if auto_plan is not None:
                 print(f"  BridgePlan(hierarchical='auto') with the nodes as domains takes: "
                       f"{'hierarchical' if auto_plan.two_stage else 'direct'} delivery")
