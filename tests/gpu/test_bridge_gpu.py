@@ -3,6 +3,8 @@
 Not collected by default (pytest ignores tests/gpu); run it on a GPU machine with
 ``python -m pytest -q -s tests/gpu/test_bridge_gpu.py``. It needs a CUDA build of
 jax (a GPU backend) and of torch; without them every test is skipped, saying why.
+``tests/gpu/run_device_checks.py`` runs the same measurements (``tests/gpu/_checks.py``)
+among its checks, as one script (docs/gpu.md).
 
 1. A JAX GPU array (float32 and bfloat16) exported with DLPack is the same device
    memory as the torch CUDA tensor (same pointer, same values, no copy).
@@ -15,10 +17,10 @@ jax (a GPU backend) and of torch; without them every test is skipped, saying why
 from __future__ import annotations
 
 import os
-import time
 
-import numpy as np
 import pytest
+
+from tests.gpu._checks import dlpack_zero_copy, measure
 
 os.environ.pop("JAX_PLATFORMS", None)  # the test suite pins CPU; this script wants the GPU backend
 
@@ -39,75 +41,8 @@ def _gpu_or_skip():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_dlpack_is_zero_copy_on_gpu(dtype):
     jax, torch, dev = _gpu_or_skip()
-    import jax.numpy as jnp
-
-    x = jax.device_put(jnp.arange(1 << 20, dtype=jnp.float32).astype(dtype).reshape(1024, 1024), dev)
-    t = torch.from_dlpack(x)
-    assert t.device.type == "cuda"
-    assert t.data_ptr() == x.unsafe_buffer_pointer(), "DLPack copied the buffer"
-    assert torch.equal(t.float().cpu(), torch.from_numpy(np.asarray(x.astype(jnp.float32))))
-
-
-def measure(jax, torch, device, *, layers: int = 4, hidden: int = 2048, reps: int = 5) -> dict[str, float]:
-    """Pack and unpack throughput of one trainer device -> one inference rank (TP1, bfloat16) on ``device``."""
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    import bridge
-    from bridge.trainer.sender import Sender, describe
-    from jreshard.nn import LlamaConfig, param_shapes
-
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
-                      num_hidden_layers=layers, num_attention_heads=hidden // 128,
-                      num_key_value_heads=hidden // 256, head_dim=128)
-    mesh = jax.sharding.Mesh(np.array([device]), ("x",))
-    rng = np.random.default_rng(0)
-    params = {}
-    for path, shape in param_shapes(cfg).items():
-        node = params
-        *head, last = path.split("/")
-        for k in head:
-            node = node.setdefault(k, {})
-        node[last] = jax.device_put(jnp.asarray(rng.standard_normal(shape, dtype=np.float32)),
-                                    NamedSharding(mesh, P()))
-    src = describe(params, trainer_ranks=[0])
-    plan = bridge.BridgePlan(src, bridge.llama_param_map(cfg, src, [1], fused=True, dtype="bfloat16"),
-                             bucket_bytes=1 << 40)  # one bucket: one message, the whole model
-    (msg,) = plan.messages
-    sender = Sender(plan, rank=0)
-    shards = sender._shards(params)
-    dev = torch.device("cuda") if device.platform == "gpu" else torch.device("cpu")
-    local = {p.name: torch.zeros(p.shape, dtype=torch.bfloat16, device=dev) for p in plan.param_map.for_rank(1)}
-    receiver = bridge.Receiver(plan, local, rank=1)
-    buf = torch.empty(msg.nbytes, dtype=torch.uint8, device=dev)
-    other = torch.empty_like(buf)
-
-    def timed(fn) -> float:
-        fn()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        out = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            out.append(time.perf_counter() - t0)
-        return float(np.median(out))
-
-    pack = timed(lambda: sender._pack(shards, {}, msg, buf))
-    unpack = timed(lambda: receiver._unpack(receiver.params, msg, buf))
-    copy = timed(lambda: other.copy_(buf))
-    flat = {p: np.asarray(x) for p, x in sender_flat(params).items()}
-    want = plan.reference(flat)[1]
-    exact = all(torch.equal(local[n].float().cpu(), torch.from_numpy(want[n].astype(np.float32))) for n in local)
-    return {"bytes": msg.nbytes, "pack_s": pack, "unpack_s": unpack, "copy_s": copy, "exact": exact}
-
-
-def sender_flat(params):
-    from bridge.trainer.sender import flatten_params
-
-    return flatten_params(params)
+    ok, seen = dlpack_zero_copy(jax, torch, dev, dtype)
+    assert ok, seen
 
 
 @pytest.mark.gpu

@@ -5,14 +5,14 @@ Not collected by default (pytest ignores tests/gpu); without a CUDA device every
 saying why. It checks that a CUDA tensor is digested on its device (``digest`` picks the device
 kind), that the result equals the same formula computed on a CPU copy, that a flipped bit and a
 truncation are detected, and prints the digest's throughput beside a device-to-host copy of the
-same bytes.
+same bytes (``tests/gpu/_checks.py``, which ``tests/gpu/run_device_checks.py`` runs too).
 """
 
 from __future__ import annotations
 
-import time
-
 import pytest
+
+from tests.gpu._checks import digest_problems, digest_speed
 
 
 def _cuda_or_skip():
@@ -25,37 +25,15 @@ def _cuda_or_skip():
 @pytest.mark.gpu
 def test_cuda_digest_runs_on_the_device_and_equals_the_cpu_formula():
     torch = _cuda_or_skip()
-    from bridge.wire.digest import device_digest, digest, is_device_digest
-
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, device="cuda", generator=g)
-    d = digest(x)
-    assert is_device_digest(d)
-    assert d == device_digest(x.cpu())  # the same formula wherever it runs
-    y = x.clone()
-    y[12345] ^= 4
-    assert digest(y) != d
-    assert digest(x[:-2]) != d
-    assert digest(x.view(torch.bfloat16)) == d  # bytes, whatever the dtype
+    assert digest_problems(torch, "cuda") == []
 
 
 @pytest.mark.gpu
 def test_cuda_digest_throughput():
     torch = _cuda_or_skip()
-    from bridge.wire.digest import digest
-
-    x = torch.randn(64 << 20, device="cuda").to(torch.bfloat16)  # 128 MiB
-    digest(x)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(5):
-        digest(x)
-    t_digest = (time.perf_counter() - t0) / 5
-    t0 = time.perf_counter()
-    for _ in range(5):
-        x.cpu()
-    t_copy = (time.perf_counter() - t0) / 5
-    gib = x.numel() * x.element_size() / (1 << 30)
-    print(f"\ndevice digest: {gib / t_digest:.1f} GiB/s; "
-          f"device-to-host copy of the same bytes: {gib / t_copy:.1f} GiB/s")
-    assert t_digest > 0
+    r = digest_speed(torch, "cuda")
+    gib = r["bytes"] / (1 << 30)
+    print(f"\ndevice digest: {gib / r['digest_s']:.1f} GiB/s; "
+          f"device-to-host copy of the same bytes: {gib / r['copy_s']:.1f} GiB/s; "
+          f"xxh3 of the host copy: {gib / r['host_s']:.1f} GiB/s")
+    assert r["digest_s"] > 0
