@@ -32,8 +32,9 @@ SLACK = 10.0
 
 
 def worker_env(**extra: str) -> dict[str, str]:
-    """The environment of a worker process: one thread, unbuffered output, plus ``extra``."""
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    """The environment of a worker process: one thread, unbuffered output, every thread's traceback on a fatal
+    signal (faulthandler), plus ``extra``."""
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", **extra)
 
 
 def read_logs(out: Path, pattern: str = "*.log", tail: int = 2000) -> str:
