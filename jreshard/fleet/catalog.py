@@ -292,6 +292,18 @@ class _Adder:
         self.out.append(TensorInfo(name, tuple(int(n) for n in shape), self.dtype, role, layer, expert, stacked,
                                    heads, replicate_heads, quantize))
 
+    def experts(self, p: str, n_exp: int, shape: tuple[int, int], layer: int) -> None:
+        """Each routed expert's gate, up and down projections (``[inter, hidden]`` twice, then its transpose).
+
+        The largest models have about 200,000 of them: one loop with the shapes made once.
+        """
+        col, row, dt, append = shape, shape[::-1], self.dtype, self.out.append
+        for e in range(n_exp):
+            q = f"{p}{e}."
+            append(TensorInfo(q + "gate_proj.weight", col, dt, "column", layer, e, False, None, False, True))
+            append(TensorInfo(q + "up_proj.weight", col, dt, "column", layer, e, False, None, False, True))
+            append(TensorInfo(q + "down_proj.weight", row, dt, "row", layer, e, False, None, False, True))
+
 
 def _attention(cfg: ModelConfig, add: _Adder, p: str, i: int) -> None:
     h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
@@ -345,11 +357,7 @@ def _mlp(cfg: ModelConfig, add: _Adder, p: str, i: int, experts: str) -> None:
         add(p + "experts.up_proj.weight", (n_exp, mi, h), "column", i, stacked=True)
         add(p + "experts.down_proj.weight", (n_exp, h, mi), "row", i, stacked=True)
     else:
-        for e in range(n_exp):
-            q = f"{p}experts.{e}."
-            add(q + "gate_proj.weight", (mi, h), "column", i, e)
-            add(q + "up_proj.weight", (mi, h), "column", i, e)
-            add(q + "down_proj.weight", (h, mi), "row", i, e)
+        add.experts(p + "experts.", n_exp, (int(mi), int(h)), i)
     n_shared = int(cfg.get("n_shared_experts", 0) or 0) if arch == "deepseek_v3" else 0
     if n_shared:
         _dense_mlp(add, p + "shared_experts.", h, mi * n_shared, i)
