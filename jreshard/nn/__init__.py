@@ -6,6 +6,10 @@ its sparse layers to experts. ``LlamaConfig``, ``MoeConfig``, ``param_shapes`` a
 flax ``Decoder`` and ``init_params``, ``logits``, ``loss``, ``make_optimizer``,
 ``train_step`` (for either config) are imported from ``jreshard.nn.decoder`` on first use,
 which imports jax and flax.
+
+Beside them: ``jreshard.nn.rl`` (group-normalised advantages and one on-policy
+policy-gradient step, as GRPO without its KL term) and ``jreshard.nn.hf`` (a dense
+model's parameters in Hugging Face ``transformers``' names, for a checkpoint or a check).
 """
 
 from __future__ import annotations
