@@ -334,6 +334,15 @@ ERRORS = [
     ("sweep-length", lambda: viz.draw_sweep([1, 2], {"a": [1]}),
      ValueError, r"bytes_by_method\['a'\] has 1 values but x has 2"),
     ("sweep-not-mapping", lambda: viz.draw_sweep([1], [1]), TypeError, r"bytes_by_method must be a non-empty mapping"),
+    ("loop-empty", lambda: viz.draw_rl_loop([], {"train": []}), ValueError, r"rewards must be a non-empty sequence"),
+    ("loop-reward-string", lambda: viz.draw_rl_loop([0.1, "x"], {"train": [1, 1]}),
+     TypeError, r"rewards\[1\] must be a number, got str"),
+    ("loop-reward-nan", lambda: viz.draw_rl_loop([float("nan")], {"train": [1]}),
+     ValueError, r"rewards\[0\] must be finite"),
+    ("loop-steps", lambda: viz.draw_rl_loop([0.1, 0.2], {"train": [1]}),
+     ValueError, r"seconds_by_phase\['train'\] has 1 values but rewards has 2"),
+    ("loop-negative-seconds", lambda: viz.draw_rl_loop([0.1], {"train": [-1]}),
+     ValueError, r"seconds_by_phase\['train\[0\]'\] must be finite and non-negative"),
 ]
 
 
@@ -355,9 +364,23 @@ def test_docstring_examples_are_self_contained(name):
     assert result.failed == 0
 
 
+def test_draw_rl_loop_stacks_each_phase_on_the_ones_before():
+    rewards = [-0.5, 0.25, 1.0]
+    fig = viz.draw_rl_loop(rewards, {"generate": [1.0, 2.0, 3.0], "train": [4.0, 0.5, 0.5]}, title="t")
+    (line,) = [ln for ln in fig.axes[0].lines if ln.get_gid() == "reward"]
+    assert list(line.get_ydata()) == rewards
+    bars = {p.get_gid(): p for p in fig.axes[1].patches}
+    assert sorted(bars) == sorted(f"seconds:{ph}:{i}" for ph in ("generate", "train") for i in range(3))
+    for i, (g, t) in enumerate([(1.0, 4.0), (2.0, 0.5), (3.0, 0.5)]):
+        assert (bars[f"seconds:generate:{i}"].get_y(), bars[f"seconds:generate:{i}"].get_height()) == (0.0, g)
+        assert (bars[f"seconds:train:{i}"].get_y(), bars[f"seconds:train:{i}"].get_height()) == (g, t)
+    assert fig.texts[0].get_text() == "t"
+
+
 def test_every_public_name_is_served_by_the_package():
     assert sorted(VIZ_MODULES) == ["jreshard.viz", "jreshard.viz.common", "jreshard.viz.comparisons",
-                                   "jreshard.viz.layouts", "jreshard.viz.plans", "jreshard.viz.traffic"]
+                                   "jreshard.viz.layouts", "jreshard.viz.loops", "jreshard.viz.plans",
+                                   "jreshard.viz.traffic"]
     for name in viz.__all__:
         value = getattr(viz, name)
         if inspect.isfunction(value) or inspect.isclass(value):

@@ -12,6 +12,7 @@ Modules, by what they draw:
 - ``plans``: one tensor's plan between two layouts (``draw_plan``);
 - ``traffic``: who sends how much to whom (``traffic_matrix``, ``draw_traffic``, ``draw_load``);
 - ``comparisons``: methods compared from plain numbers (``draw_comparison``, ``draw_sweep``);
+- ``loops``: a training loop step by step, its reward and its time per phase (``draw_rl_loop``);
 - ``common``: device colours (``device_colors``) and what the drawings share.
 
 Example:
@@ -27,6 +28,7 @@ from __future__ import annotations
 from jreshard.viz.common import Color, device_colors
 from jreshard.viz.comparisons import draw_comparison, draw_sweep
 from jreshard.viz.layouts import draw_layout
+from jreshard.viz.loops import draw_rl_loop
 from jreshard.viz.plans import draw_plan
 from jreshard.viz.traffic import Traffic, draw_load, draw_traffic, traffic_matrix
 
@@ -38,6 +40,7 @@ __all__ = [
     "draw_layout",
     "draw_load",
     "draw_plan",
+    "draw_rl_loop",
     "draw_sweep",
     "draw_traffic",
     "traffic_matrix",

@@ -188,13 +188,13 @@ def _same_methods(values: Mapping[str, float] | None, arg: str, methods: list[st
     return {m: checked[m] for m in methods}
 
 
-def _check_series(values: Any, n: int, arg: str) -> dict[str, list[float]]:
+def _check_series(values: Any, n: int, arg: str, against: str = "x") -> dict[str, list[float]]:
     if not isinstance(values, Mapping) or not values:
         raise TypeError(f"{arg} must be a non-empty mapping of method name -> sequence of numbers, got {values!r}.")
     out = {}
     for name, ys in values.items():
         ys = list(ys)
         if len(ys) != n:
-            raise ValueError(f"{arg}[{name!r}] has {len(ys)} values but x has {n}; give one value per setting.")
+            raise ValueError(f"{arg}[{name!r}] has {len(ys)} values but {against} has {n}; give one value per setting.")
         out[str(name)] = list(_check_numbers({f"{name}[{i}]": y for i, y in enumerate(ys)}, arg).values())
     return out
