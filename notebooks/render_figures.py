@@ -2,7 +2,8 @@
 
 Each picture is the headline figure of its notebook, computed the same way from
 the library (planner, catalog, cost model), so the README never shows a figure
-that the code no longer produces. Runs on CPU in a few seconds; no devices needed.
+that the code no longer produces; 05_rl_loop's draws the numbers that a run of the
+notebook recorded (docs/data/05_rl_loop.json). Runs on CPU in a few seconds; no devices needed.
 
 Usage:
   python notebooks/render_figures.py                 # all pictures into docs/images/
@@ -82,11 +83,26 @@ def vllm_refit() -> Figure:
                                title=f"{cfg.name} at vLLM TP2: bytes per worker per sync")
 
 
+def rl_loop() -> Figure:
+    """05_rl_loop: reward and seconds per step of the loop, from the run recorded in docs/data/05_rl_loop.json.
+
+    The loop needs a live vLLM engine (about a minute here), so the picture draws the numbers one execution of
+    the notebook printed (its last cell) rather than running it again.
+    """
+    import json
+
+    run = json.loads((ROOT / "docs" / "data" / "05_rl_loop.json").read_text())
+    return viz.draw_rl_loop(run["reward"], {k: run[k] for k in ("generate", "train", "transfer")},
+                            title="llama-tiny (Qwen3): policy-gradient steps, vLLM rollouts, "
+                                  "a jreshard refit after each")
+
+
 FIGURES: dict[str, Callable[[], Figure]] = {
     "01_quickstart": quickstart,
     "02_plan_a_model": plan_a_model,
     "03_jax_to_torch": jax_to_torch,
     "04_vllm_refit": vllm_refit,
+    "05_rl_loop": rl_loop,
 }
 
 

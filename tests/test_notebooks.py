@@ -18,8 +18,8 @@ CELL_TIMEOUT_S = 300
 
 
 def test_there_are_notebooks():
-    assert [p.name for p in NOTEBOOKS][:4] == ["01_quickstart.ipynb", "02_plan_a_model.ipynb", "03_jax_to_torch.ipynb",
-                                               "04_vllm_refit.ipynb"]
+    assert [p.name for p in NOTEBOOKS][:5] == ["01_quickstart.ipynb", "02_plan_a_model.ipynb", "03_jax_to_torch.ipynb",
+                                               "04_vllm_refit.ipynb", "05_rl_loop.ipynb"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
