@@ -252,7 +252,9 @@ def _stage_rows(pairs: Iterable[tuple[str, Layout, Layout]],
 def has_domain_replicas(dst: Mapping[str, Layout], domains: Domains) -> bool:
     """Whether some domain holds two whole replicas of a tensor (hierarchical delivery applies)."""
     _check_domains(domains)
-    pairs = {(lay.mesh, lay.dim_axes) for lay in dst.values()}
+    values = list(dst.values())
+    distinct = dict(zip(map(id, values), values, strict=True)).values()  # a model's tensors share a few Layouts; in C
+    pairs = {(lay.mesh, lay.dim_axes) for lay in distinct}
     return any(g.replica_axis is not None for mesh, dim_axes in pairs
                for g in _domain_groups(mesh, dim_axes, domains))
 

@@ -8,6 +8,7 @@ differ only in the tensor index, so the mesh-dependent work runs once per pair.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import NamedTuple
 
@@ -68,9 +69,16 @@ class _Pairs(NamedTuple):
 
 
 def _distinct(leaves: list[Leaf]) -> _Pairs:
+    # Leaves are often shared objects (the planner makes one per pair of layouts): number the
+    # objects in C first, then their pairs in Python once per object.
+    objs = list(map(id, leaves))
+    by_obj = dict(zip(dict.fromkeys(objs), itertools.count()))  # in order of first leaf
+    of_obj = np.fromiter(map(by_obj.__getitem__, objs), np.int64, count=len(objs))
+    first_obj = np.unique(of_obj, return_index=True)[1].tolist()
     seen: dict[tuple[int, int, int], int] = {}
-    of = np.fromiter((seen.setdefault((id(s), id(d), n), len(seen)) for s, d, n in leaves), np.int64,
-                     count=len(leaves))
+    pair_of = np.array([seen.setdefault((id(leaves[i].src), id(leaves[i].dst), leaves[i].itemsize), len(seen))
+                        for i in first_obj], np.int64)
+    of = pair_of[of_obj] if len(objs) else of_obj
     first = np.unique(of, return_index=True)[1]  # the first leaf of each distinct pair
     uniq = [leaves[i] for i in first.tolist()]
     return _Pairs(uniq, of, np.array([leaf.itemsize for leaf in uniq], np.int64))

@@ -20,6 +20,7 @@ knows nothing of jax: ``jreshard.plan`` hands jax arrays to the JAX executor's a
 from __future__ import annotations
 
 import functools
+import operator
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -206,17 +207,29 @@ def _plan_pair(src: Layout, dst: Layout, balance: bool) -> TensorPlan:
 @functools.lru_cache(maxsize=_CACHE_SIZE)
 def _plan_tree(paths: tuple[tuple, ...], treedef: TreeDef, srcs: tuple[Layout, ...], dsts: tuple[Layout, ...],
                balance: bool) -> Plan:
-    # Bytes on the wire are the destination's: a cast happens at the sender.
-    leaves = [Leaf(s, d, itemsize_of(d.dtype or s.dtype)) for s, d in zip(srcs, dsts, strict=True)]
+    leaves = _leaves(srcs, dsts)
     _check_byte_counts(paths, dsts, leaves)
     groups, index = plan_leaves(leaves, balance)
     return Plan(paths, treedef, leaves, groups, index)
 
 
+def _leaves(srcs: tuple[Layout, ...], dsts: tuple[Layout, ...]) -> list[Leaf]:
+    """One Leaf per pair, made once per pair of Layout objects (a model's tensors share a few).
+
+    The passes over every tensor run in C (map, zip, dict); Python runs once per distinct pair.
+    """
+    ids = list(zip(map(id, srcs), map(id, dsts), strict=True))
+    pairs = dict(zip(ids, zip(srcs, dsts, strict=True), strict=True))  # identity -> the pair
+    # Bytes on the wire are the destination's: a cast happens at the sender.
+    made = {k: Leaf(s, d, itemsize_of(d.dtype or s.dtype)) for k, (s, d) in pairs.items()}
+    return list(map(made.__getitem__, ids))
+
+
 def _check_byte_counts(paths: tuple[tuple, ...], dsts: tuple[Layout, ...], leaves: list[Leaf]) -> None:
     """Refuses a plan whose statistics would pass int64: at most every destination device receives each tensor."""
     # Whole models repeat a few layouts: bound with the widest element (16 bytes) per distinct layout first.
-    if sum(n * d.size * d.mesh.size for d, n in Counter(dsts).items()) * 16 <= INT64_MAX:
+    distinct = dict(zip(map(id, dsts), dsts, strict=True))  # by identity, counted in C
+    if sum(n * distinct[i].size * distinct[i].mesh.size for i, n in Counter(map(id, dsts)).items()) * 16 <= INT64_MAX:
         return
     total = 0
     for path, leaf in zip(paths, leaves, strict=True):
@@ -258,17 +271,20 @@ def _flat_layout_dict(src: Any, dst: Any) -> _Flat | None:
     if type(src) is not dict or type(dst) is not dict or len(src) != len(dst) or not src:
         return None
     keys = _sorted_keys(src)
-    try:
-        srcs = tuple(src[k] for k in keys)
-        dsts = tuple(dst[k] for k in keys)
+    try:  # the passes over every tensor run in C (map, zip, set)
+        srcs = tuple(map(src.__getitem__, keys))
+        dsts = tuple(map(dst.__getitem__, keys))
     except KeyError:
         return None
-    if not (all(type(x) is Layout for x in srcs) and all(type(x) is Layout for x in dsts)):
+    if set(map(type, srcs)) != {Layout} or set(map(type, dsts)) != {Layout}:
         return None
-    if any(s.shape != d.shape for s, d in zip(srcs, dsts, strict=True)):
+    if list(map(_shape, srcs)) != list(map(_shape, dsts)):
         for k, s, d in zip(keys, srcs, dsts, strict=True):
             _check_pair(path_str((k,)), s, d)
-    return _Flat(tuple((k,) for k in keys), ("dict", tuple(keys), ("leaf",) * len(keys)), srcs, dsts)
+    return _Flat(tuple(zip(keys)), ("dict", tuple(keys), ("leaf",) * len(keys)), srcs, dsts)
+
+
+_shape = operator.attrgetter("shape")
 
 
 # Whole models are usually flat dicts {name: Layout} planned again and again with the

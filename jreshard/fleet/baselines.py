@@ -80,7 +80,8 @@ def _without(src: Mapping[str, Layout], dst: Mapping[str, Layout], riders: Mappi
 
 def _holders(lay: Layout) -> np.ndarray:
     """The devices of ``lay``'s mesh that hold a non-empty shard."""
-    return np.array([d for d in lay.mesh.device_ids if math.prod(lay.shard_shape(d)) > 0], np.int64)
+    g = lay.grid  # start and stop of each mesh position's shard, in device_ids order
+    return np.asarray(lay.mesh.device_ids, np.int64)[np.prod(g.stop - g.start, axis=1) > 0]
 
 
 def pipelined_tree(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology, *,
@@ -176,7 +177,9 @@ def gather_broadcast(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo:
     check_pair(src, dst)
     riders = riders or {}
     k = _without(src, dst, riders, by_class)
-    meshes = {id(lay.mesh): lay.mesh for lay in src.values()}
+    # Every source mesh: the classes' (riders included) when given, else each tensor's.
+    sources = [a for a, _ in by_class.pairs] if by_class is not None else src.values()
+    meshes = {id(lay.mesh): lay.mesh for lay in sources}
     root = min(min(m.device_ids) for m in meshes.values())
     mesh = Mesh([root], ("root",))
     s, d, nb, _ = class_rows([(a, Layout(a.shape, mesh, (), a.dtype)) for a, _ in k.pairs], k.counts)

@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection, Iterable, Mapping
 from typing import NamedTuple
 
@@ -55,14 +56,14 @@ class Classes(NamedTuple):
 def classes(src: Mapping[str, Layout], dst: Mapping[str, Layout], names: Iterable[str] | None = None) -> Classes:
     """The tensors ``names`` (default: all of ``src``, sorted) grouped by their pair of layouts."""
     names = sorted(src) if names is None else list(names)
-    # By identity first (cheap: a model's tensors share a few Layout objects), then by value.
-    by_id: dict[tuple[int, int], int] = {}
-    first: list[tuple[Layout, Layout]] = []
-    for n in names:
-        s, d = src[n], dst[n]
-        if by_id.setdefault((id(s), id(d)), len(first)) == len(first):
-            first.append((s, d))
-    of_id = np.fromiter((by_id[id(src[n]), id(dst[n])] for n in names), dtype=np.int64, count=len(names))
+    # By identity first (cheap: a model's tensors share a few Layout objects), then by value;
+    # the passes over every tensor run in C (map, zip, dict), not in Python.
+    srcs, dsts = list(map(src.__getitem__, names)), list(map(dst.__getitem__, names))
+    ids = list(zip(map(id, srcs), map(id, dsts), strict=True))
+    pair_of = dict(zip(ids, zip(srcs, dsts, strict=True), strict=True))  # identity -> the pair
+    by_id = dict(zip(dict.fromkeys(ids), itertools.count()))  # numbered in order of first tensor
+    first = list(map(pair_of.__getitem__, by_id))
+    of_id = np.fromiter(map(by_id.__getitem__, ids), dtype=np.int64, count=len(names))
     index: dict[tuple[Layout, Layout], int] = {}
     merge = np.array([index.setdefault(pair, len(index)) for pair in first], np.int64)
     of = merge[of_id] if len(names) else of_id

@@ -102,12 +102,6 @@ def stage_of_layers(num_layers: int, pp: int) -> list[int]:
     return [s for s, block in enumerate(np.array_split(np.arange(num_layers), pp)) for _ in block]
 
 
-def _stage(info: TensorInfo, layer_stage: list[int], pp: int) -> int:
-    if info.layer is not None:
-        return layer_stage[info.layer]
-    return 0 if info.role == "embed" else pp - 1
-
-
 def _dense_spec(info: TensorInfo, tp: str | None, fsdp: str | None) -> tuple:
     """Spec of a non-expert tensor: tp on its role's dim (``jreshard.core.tp_split``), fsdp on the leading dim."""
     rank = len(info.shape)
@@ -121,10 +115,6 @@ def _dense_spec(info: TensorInfo, tp: str | None, fsdp: str | None) -> tuple:
     return tuple(spec)
 
 
-def _expert_owner(expert: int, num_experts: int, ep: int) -> int:
-    return expert // -(-num_experts // ep)
-
-
 class _ExpertMeshes(NamedTuple):
     """The meshes routed experts live on: all of them (stacked) and each ep rank's (one leaf per expert)."""
 
@@ -132,28 +122,30 @@ class _ExpertMeshes(NamedTuple):
     owners: tuple[Mesh, ...]
     fsdp: str | None
     etp: str | None
+    per_owner: int  # routed experts per ep rank
 
     @classmethod
-    def build(cls, ids: np.ndarray, ep: int, fsdp: int, etp: int) -> _ExpertMeshes:
+    def build(cls, ids: np.ndarray, ep: int, fsdp: int, etp: int, num_experts: int) -> _ExpertMeshes:
         """Devices ``ids`` as ``(edp, ep[, fsdp], etp)``, etp innermost (fsdp only where it shards)."""
         sizes = {"ep": ep, "fsdp": fsdp, "etp": etp} if fsdp > 1 else {"ep": ep, "etp": etp}
         grid = ids.reshape((-1, *sizes.values()))
         names = ("edp", *sizes)
         owners = tuple(Mesh(grid[:, r], names[:1] + names[2:]) for r in range(ep))
-        return cls(Mesh(grid, names), owners, "fsdp" if fsdp > 1 else None, "etp" if etp > 1 else None)
+        return cls(Mesh(grid, names), owners, "fsdp" if fsdp > 1 else None, "etp" if etp > 1 else None,
+                   max(1, -(-num_experts // ep)))
 
-    def key(self, info: TensorInfo, num_experts: int, dtype: str) -> tuple:
-        """What ``layout`` depends on: tensors with equal keys have equal layouts."""
-        owner = None if info.stacked else _expert_owner(int(info.expert or 0), num_experts, len(self.owners))
-        return (info.shape, info.role == "column", info.stacked, owner, dtype)
+    def key(self, info: TensorInfo, dtype: str) -> tuple:
+        """What ``layout`` depends on: tensors with equal keys have equal layouts (the ep rank: linear placement)."""
+        return (info.shape, info.role == "column", info.stacked,
+                None if info.stacked else (info.expert or 0) // self.per_owner, dtype)
 
-    def layout(self, info: TensorInfo, num_experts: int, dtype: str, make: Any = Layout) -> Layout:
+    def layout(self, info: TensorInfo, dtype: str, make: Any = Layout) -> Layout:
         """``info``'s layout: stacked ``[E, ...]`` over all ep ranks, else on its expert's ep rank."""
         inner: tuple = (self.etp, None) if info.role == "column" else (None, self.etp)
         if info.stacked:
             lead = ("ep", self.fsdp) if self.fsdp else "ep"
             return make(info.shape, self.stacked, (lead, *inner), dtype)
-        mesh = self.owners[_expert_owner(int(info.expert or 0), num_experts, len(self.owners))]
+        mesh = self.owners[(info.expert or 0) // self.per_owner]
         if self.fsdp:  # the leading dim over fsdp (major), as for dense tensors
             first = tuple(a for a in (self.fsdp, inner[0]) if a)
             inner = (first if len(first) > 1 else first[0], inner[1])
@@ -218,7 +210,7 @@ def check_degrees(infos: Sequence[TensorInfo], par: TrainParallel | InferParalle
     expert_arg, expert_degree = ("tp", par.tp) if follow_tp else ("expert_tp", par.expert_tp)
     seen: set[tuple] = set()
     for t in infos:
-        key = (t.role, t.shape, t.heads, t.replicate_heads, t.stacked, t.is_expert)
+        key = (t.role, t.shape, t.heads, t.replicate_heads, t.stacked, t.expert is None)  # with stacked: is_expert
         if key in seen:
             continue
         seen.add(key)
@@ -258,20 +250,20 @@ def train_layouts(infos: Sequence[TensorInfo], par: TrainParallel, devices: Iter
     n_exp = _num_experts(infos)
     dense_mesh = [Mesh(ids[s].reshape(dense_dp, par.fsdp, par.cp, par.tp), ("dp", "fsdp", "cp", "tp"))
                   for s in range(par.pp)]
-    experts = [_ExpertMeshes.build(ids[s], par.ep, par.fsdp, par.expert_tp) for s in range(par.pp)]
+    experts = [_ExpertMeshes.build(ids[s], par.ep, par.fsdp, par.expert_tp, n_exp) for s in range(par.pp)]
     fsdp = "fsdp" if par.fsdp > 1 else None
     tp = "tp" if par.tp > 1 else None
     out: dict[str, Layout] = {}
     cache: dict[tuple, tuple] = {}
     make = _Layouts()
     by_key: dict[tuple, Layout] = {}  # expert layouts by (stage, _ExpertMeshes.key)
-    for t in infos:
-        s = _stage(t, layer_stage, par.pp)
+    for t in infos:  # a frontier model has 200,000 tensors: this loop stays lean
+        s = layer_stage[t.layer] if t.layer is not None else 0 if t.role == "embed" else par.pp - 1
         dt = dtype or t.dtype
-        if t.is_expert:
-            key = (s, *experts[s].key(t, n_exp, dt))
-            lay = by_key.get(key)
-            out[t.name] = lay if lay is not None else by_key.setdefault(key, experts[s].layout(t, n_exp, dt, make))
+        if t.expert is not None or t.stacked:
+            ekey = (s, experts[s].key(t, dt))
+            lay = by_key.get(ekey)
+            out[t.name] = lay if lay is not None else by_key.setdefault(ekey, experts[s].layout(t, dt, make))
         else:
             key = (t.role, len(t.shape))
             spec = cache.get(key)
@@ -302,17 +294,17 @@ def infer_layouts(infos: Sequence[TensorInfo], par: InferParallel, devices: Iter
     # tp axis splits into the head groups (still "tp") and their copies ("tp_replica").
     head_mesh: dict[int, Mesh] = {1: mesh}
     n_exp = _num_experts(infos)
-    experts = _ExpertMeshes.build(ids, par.ep, 1, par.expert_tp) if par.splits_experts else None
+    experts = _ExpertMeshes.build(ids, par.ep, 1, par.expert_tp, n_exp) if par.splits_experts else None
     tp = "tp" if par.tp > 1 else None
     out: dict[str, Layout] = {}
     make = _Layouts()
     by_key: dict[tuple, Layout] = {}  # by _ExpertMeshes.key, or a dense tensor's kind
     for t in infos:
         dt = dtype or t.dtype
-        if t.is_expert and experts is not None:
-            key = experts.key(t, n_exp, dt)
+        if experts is not None and (t.expert is not None or t.stacked):
+            key = experts.key(t, dt)
             lay = by_key.get(key)
-            out[t.name] = lay if lay is not None else by_key.setdefault(key, experts.layout(t, n_exp, dt, make))
+            out[t.name] = lay if lay is not None else by_key.setdefault(key, experts.layout(t, dt, make))
         elif t.stacked:
             out[t.name] = make(t.shape, mesh, (None, tp, None) if t.role == "column" else (None, None, tp), dt)
         elif (t.shape, t.role, t.heads, t.replicate_heads, dt) in by_key:
