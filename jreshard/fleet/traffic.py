@@ -178,7 +178,8 @@ def sender_load_bound(src: Mapping[str, Layout], stats: PlanStats) -> float:
         return x
 
     seen = set()
-    for lay in src.values():
+    values = list(src.values())
+    for lay in dict(zip(map(id, values), values, strict=True)).values():  # distinct objects first (in C)
         key = (lay.mesh, lay.dim_axes, lay.shape)
         if key in seen:
             continue
