@@ -126,8 +126,8 @@ def balance_senders(choices: list[Choice], fixed_src: np.ndarray, fixed_bytes: n
             c = choices[int(rows.block[r])]
             splits.setdefault(c.group, []).append(
                 Split(int(c.rows[rows.brow[r]]), lo, hi, int(all_ids[rows.chosen[r]]), r >= n_orig))
-    block = rows.block[:n_orig]
-    assigned = [all_ids[rows.chosen[:n_orig][block == b]] for b in range(len(choices))]
+    ends = np.cumsum([len(c.rows) for c in choices])  # the rows are the choices' in turn
+    assigned = [all_ids[rows.chosen[end - len(c.rows):end]] for c, end in zip(choices, ends.tolist(), strict=True)]
     return assigned, splits
 
 
@@ -135,18 +135,20 @@ def _greedy(rows: _Rows, classes: np.ndarray, receivers: np.ndarray, load: np.nd
     """A first sender for every row, class after class (largest total bytes first)."""
     inverse, nbytes, chosen = rows.cls, rows.nbytes, rows.chosen
     totals = np.bincount(inverse, weights=nbytes)
-    by_class = np.argsort(inverse, kind="stable")
+    by_class = _stable_argsort(inverse)
     bounds = np.searchsorted(inverse[by_class], np.arange(len(classes) + 1))
     for c in np.argsort(-totals, kind="stable"):
         members = classes[c][classes[c] >= 0]
         mine = by_class[bounds[c]:bounds[c + 1]]
-        mine = mine[np.argsort(-nbytes[mine], kind="stable")]
+        size = nbytes[mine]
+        if len(size) and not (size == size[0]).all():  # equal sizes: a stable sort keeps the order
+            mine = mine[np.argsort(-size, kind="stable")]
         R = len(members)
         if not balance:
             chosen[mine] = members[0]
             load[members[0]] += nbytes[mine].sum()
         elif len(mine) > max(64 * R, 20_000):
-            _water_fill(mine[np.argsort(receivers[mine], kind="stable")], members, nbytes, chosen, load)
+            _water_fill(mine[_stable_argsort(receivers[mine])], members, nbytes, chosen, load)
         else:
             # Longest-processing-time in chunks of R rows: each chunk's largest row goes
             # to the least loaded member, and so on.
@@ -155,6 +157,13 @@ def _greedy(rows: _Rows, classes: np.ndarray, receivers: np.ndarray, load: np.nd
                 senders = members[np.argsort(load[members], kind="stable")[: len(chunk)]]
                 chosen[chunk] = senders
                 load[senders] += nbytes[chunk]
+
+
+def _stable_argsort(a: np.ndarray) -> np.ndarray:
+    """``np.argsort(a, kind="stable")`` of non-negative ints, by radix sort when they fit in 16 bits."""
+    if len(a) and a.min() >= 0 and a.max() < 1 << 16:
+        a = a.astype(np.uint16)  # the same permutation (a stable sort has one), in linear time
+    return np.argsort(a, kind="stable")
 
 
 def _water_fill(mine: np.ndarray, members: np.ndarray, nbytes: np.ndarray, chosen: np.ndarray,

@@ -227,15 +227,15 @@ def _choice(gi: int, stage: _Stage, key: GroupKey) -> Choice | None:
     if not free.any():
         return None
     rows = np.nonzero(free)[0]
+    tensor, overlap = np.divmod(rows, M)
+    combo = inv[tensor]
     # A row's candidates depend only on its mesh pair and source shard: keep one table
     # of candidate sets and a class per row, not [rows, R] candidates.
     n_shards = len(groups)
-    local_cls = inv[rows // M] * n_shards + p.src_shard[rows % M]
-    uniq, cls = np.unique(local_cls, return_inverse=True)
+    uniq, cls = _unique_small(combo * n_shards + p.src_shard[overlap], len(stage.src_ids) * n_shards)
     table = stage.src_ids[(uniq // n_shards)[:, None], groups[uniq % n_shards]]
-    T = len(stage.members)
-    nbytes = (np.tile(p.vol, T) * np.repeat(stage.itemsize, M))[rows]
-    return Choice(gi, rows, table, cls.ravel(), nbytes, stage.pdst_c[inv[rows // M], rows % M], p)
+    nbytes = p.vol[overlap] * stage.itemsize[tensor]
+    return Choice(gi, rows, table, cls.ravel(), nbytes, stage.pdst_c[combo, overlap], p)
 
 
 def _add_fixed_load(stage: _Stage, fixed_load: dict[int, float]) -> None:
@@ -323,10 +323,48 @@ def _general_group(stage: _Stage, tiled: _Tiled, splits: list[Split]) -> tuple[A
         hi = np.concatenate([hi, np.array([e.hi for e in grown], np.int64).reshape(-1, ndim)])
     vol = np.prod(hi - lo, axis=1, dtype=np.int64) if lo.shape[1] else np.ones(len(t), np.int64)
     keep = vol > 0
-    t, s, d, lo, hi, vol = t[keep], s[keep], d[keep], lo[keep], hi[keep], vol[keep]
-    sort_keys = [lo[:, k] for k in range(lo.shape[1] - 1, -1, -1)] + [s, d, t]
-    order = np.lexsort(sort_keys) if len(t) else np.zeros(0, np.int64)
-    t, s, d, lo, hi, vol = t[order], s[order], d[order], lo[order], hi[order], vol[order]
+    key = None if splits else _row_key(p, T, s, d)
+    if not keep.all():
+        t, s, d, lo, hi, vol = t[keep], s[keep], d[keep], lo[keep], hi[keep], vol[keep]
+        key = None if key is None else key[keep]
+    order: np.ndarray | None
+    if key is not None:  # one int64 per row: one sort, not one per key, and none if already in order
+        order = None if bool((key[1:] > key[:-1]).all()) else np.argsort(key)
+    else:
+        sort_keys = [lo[:, k] for k in range(lo.shape[1] - 1, -1, -1)] + [s, d, t]
+        order = np.lexsort(sort_keys) if len(t) else np.zeros(0, np.int64)
+    if order is not None:
+        t, s, d, lo, hi, vol = t[order], s[order], d[order], lo[order], hi[order], vol[order]
     nbytes = vol * stage.itemsize[t]
     _frozen(s, d, lo, hi, nbytes)
     return ArrayRows(stage.lower, stage.naive, s, d, nbytes, lo, hi), np.searchsorted(t, np.arange(T + 1))
+
+
+def _row_key(p: Overlaps, T: int, s: np.ndarray, d: np.ndarray) -> np.ndarray | None:
+    """Rows tiled over ``T`` tensors (``M`` overlaps each) as one int64 that sorts like (tensor, dst, src, box).
+
+    Without splits every tensor has the group's ``M`` boxes, so a box's place in that order is its
+    rank among the ``M`` (ties by overlap index, as a stable sort leaves them): the key is unique per
+    row. ``None`` when the key would not fit in int64 or a device id is negative.
+    """
+    M = len(p.dst_pos)
+    if not len(s) or s.min() < 0 or d.min() < 0:
+        return None
+    n_s, n_d = int(s.max()) + 1, int(d.max()) + 1
+    if T * n_d * n_s * M >= 1 << 62:
+        return None
+    ndim = p.lo.shape[1]
+    rank = np.empty(M, np.int64)
+    rank[np.lexsort([p.lo[:, k] for k in range(ndim - 1, -1, -1)]) if ndim else np.arange(M)] = np.arange(M)
+    t = np.repeat(np.arange(T, dtype=np.int64), M)
+    return ((t * n_d + d) * n_s + s) * M + np.tile(rank, T)
+
+
+def _unique_small(a: np.ndarray, bound: int) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(a, return_inverse=True)`` of ints in ``[0, bound)``; by a table, not a sort, for a small bound."""
+    if bound > 4 * len(a) + 1024:
+        return np.unique(a, return_inverse=True)
+    present = np.zeros(bound, bool)
+    present[a] = True
+    return np.flatnonzero(present), (np.cumsum(present) - 1)[a]
+
