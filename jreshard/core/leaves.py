@@ -243,13 +243,15 @@ def _add_fixed_load(stage: _Stage, fixed_load: dict[int, float]) -> None:
     if not len(stage.overlaps.dst_pos):
         return
     weight = np.bincount(stage.inv, weights=stage.itemsize, minlength=len(stage.pdst_c))
-    send = ~stage.local_c
-    for c in np.nonzero(weight)[0]:
-        ids, b = stage.psrc_c[c][send[c]], stage.overlaps.vol[send[c]] * weight[c]
-        uniq, inv = np.unique(ids, return_inverse=True)
-        totals = np.bincount(inv.ravel(), weights=b, minlength=len(uniq))
-        for sid, total in zip(uniq.tolist(), totals.tolist(), strict=True):
-            fixed_load[sid] = fixed_load.get(sid, 0.0) + total
+    pairs = np.nonzero(weight)[0]
+    send = ~stage.local_c[pairs]  # [pairs, M]: every mesh pair at once
+    ids = stage.psrc_c[pairs][send]
+    b = (stage.overlaps.vol[None, :] * weight[pairs][:, None])[send]
+    uniq, inv = np.unique(ids, return_inverse=True)
+    # Whole byte counts: float64 adds them exactly (below 2**53), in any order.
+    totals = np.bincount(inv.ravel(), weights=b, minlength=len(uniq))
+    for sid, total in zip(uniq.tolist(), totals.tolist(), strict=True):
+        fixed_load[sid] = fixed_load.get(sid, 0.0) + total
 
 
 def _frozen(*arrays: np.ndarray) -> None:
