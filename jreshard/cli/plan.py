@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import json
 import sys
 import time
@@ -318,7 +319,29 @@ def _run_layer(s: Scenario, args: argparse.Namespace) -> str:
     }, indent=2)
 
 
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Pauses Python's cyclic garbage collector (reference counting still frees everything).
+
+    A frontier model's command builds about 200,000 small objects that live until it exits
+    (tensors, layouts, names); the collector's passes over them find nothing to free and
+    took 10-15% of ``jreshard plan`` on Kimi K3 here.
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def run_plan(args: argparse.Namespace) -> int:
+    with _collector_paused():
+        return _run_plan(args)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
     try:
         s = _scenario_from_args(args)
         if args.layer is not None:
