@@ -92,10 +92,9 @@ def pipelined_tree(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: T
     share the links at once, as if every collective ran in parallel.
 
     ``riders`` maps a leaf to the leaf whose collective carries it (a scale to its weight).
-    ``by_class``: ``classes(src, dst)`` if already made (by a caller that checked src and dst).
+    ``by_class``: ``classes(src, dst)`` if already made.
     """
-    if by_class is None:  # else the caller made it from src and dst, and checked them
-        check_pair(src, dst)
+    check_pair(src, dst)
     riders = riders or {}
     k = _without(src, dst, riders, by_class)
     meshes: dict[int, Mesh] = {}
@@ -175,8 +174,7 @@ def gather_broadcast(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo:
       >>> [round(t * 1e9) for t in p.stages]  # 500 B over NVLink into device 0, then 1000 B at 10 GB/s
       [5, 100]
     """
-    if by_class is None:  # else the caller made it from src and dst, and checked them
-        check_pair(src, dst)
+    check_pair(src, dst)
     riders = riders or {}
     k = _without(src, dst, riders, by_class)
     # Every source mesh: the classes' (riders included) when given, else each tensor's.
@@ -220,10 +218,9 @@ def flat_direct(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topo
                 by_class: Classes | None = None) -> Prediction:
     """Predicted time of sending each missing piece from its first replica (no balancing).
 
-    ``by_class``: ``classes(src, dst)`` if already made (by a caller that checked src and dst).
+    ``by_class``: ``classes(src, dst)`` if already made.
     """
-    if by_class is None:  # else the caller made it from src and dst, and checked them
-        check_pair(src, dst)
+    check_pair(src, dst)
     k = by_class if by_class is not None else classes(src, dst)
     s, d, nb, _ = class_rows(k.pairs, k.counts)
     return predict(rows_traffic(s, d, nb, topo), topo)

@@ -183,7 +183,7 @@ def decide(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology,
     executor runs the two stages (``predict_two_stage``; ``0``, ``jreshard.transfer``: one after
     the other). ``plans=False``: only the predictions are read (``compare``); the stages are
     planned by class of shared layouts, with the same moves, and ``two_stage`` is ``None``;
-    ``by_class``: ``jreshard.fleet.classes.classes(src, dst)`` if already made (by a caller that checked src and dst).
+    ``by_class``: ``jreshard.fleet.classes.classes(src, dst)`` if already made.
 
     Example:
       >>> from jreshard import Layout, Mesh
@@ -196,8 +196,7 @@ def decide(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topology,
       ('hierarchical', 'direct')
     """
     check_hierarchical(hierarchical)
-    if by_class is None:  # else the caller made it from src and dst, and checked them
-        _core.check_pair(src, dst)
+    _core.check_pair(src, dst)
     p = direct_plan if direct_plan is not None else cast(Plan, plan(dict(src), dict(dst)))
 
     def after_first(x: Prediction) -> Prediction:
