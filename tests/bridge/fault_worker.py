@@ -253,6 +253,9 @@ def main() -> None:
             before = {key: t.clone() for key, t in params.items()}
             pack, transport, undo = _fault(fault, rank, plan, wire_sender(plan, scaled, 0.0), out / f"dead{k}",
                                            args.transport)
+            # Every rank starts its sync together, so the time the test bounds is this sync's and not another
+            # rank's lateness to the handshake (which the sync's deadline does not count).
+            dist.barrier()
             t0 = time.perf_counter()
             try:
                 sync(v, pack, transport, checksum(fault))

@@ -142,8 +142,9 @@ def test_fault(fault, run):
             # the sender, the bucket and the tensor
             assert "sender rank 0" in got["message"] and "in bucket 2/" in got["message"], got
             assert "param 'linear.weight'" in got["message"] or "param 'norm.weight'" in got["message"], got
-        # Timed from the start of this rank's sync call: every survivor gives up by the deadline plus a
-        # second; a stalled rank once it wakes (after STALL, past the others' deadline).
+        # Timed from the start of this rank's sync call (the ranks start together, after a barrier): every
+        # survivor gives up by the deadline plus a second; a stalled rank once it wakes (after STALL, past the
+        # others' deadline).
         assert got["seconds"] < (STALL if r == stalled(fault) else TIMEOUT) + PROMPT, (r, got)
         if not needs_rebuild(fault):  # found by a vote: raised at once, not at the deadline
             assert got["seconds"] < TIMEOUT, (r, got)
