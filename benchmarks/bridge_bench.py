@@ -17,9 +17,11 @@ over gloo. The weights are float32 in JAX and bfloat16 on the inference ranks.
              what is left over the floor is the protocol itself (votes, buckets, staging)
   atomic=False the same with Receiver(atomic=False): received in place, no shadow, no commit
              (a failed sync leaves mixed weights): the atomic commit's cost, beside swap's
-  checksum   the defaults with Sender(checksum=True): an xxh3 digest of every piece, sent after
-             each message and checked by the receivers; its cost is this row's time over the
-             defaults'
+  checksum   the bridge over gloo with Sender(checksum=True): an xxh3 digest of every piece, sent
+             after each message and checked by the receivers; its cost is this row's time over
+             the bridge over gloo
+  shm, checksum the defaults (shm) with Sender(checksum=True): the digests travel over gloo
+             after each message; its cost is this row's time over the defaults'
   gather     what RL stacks do today: per tensor, gather the full tensor on trainer 0
              (a jitted all-gather to a replicated sharding), cast to bfloat16, broadcast it to
              every inference rank, each rank slicing its TP part
@@ -331,7 +333,8 @@ def worker(args) -> None:
                 w.wait()
 
         version = itertools.count(1)
-        bridges = {"bridge": sender, "shm": sender, "swap": sender, "inplace": sender, "checksum": checked}
+        bridges = {"bridge": sender, "shm": sender, "swap": sender, "inplace": sender, "checksum": checked,
+                   "shm_checksum": checked}
         runs = {k: (lambda s=s, k=k: s.sync(params, version=next(version), transport=ROUTE.get(k, "gloo")))
                 for k, s in bridges.items()}
         runs["memcopy"] = lambda: None
@@ -357,11 +360,12 @@ def worker(args) -> None:
                 w.wait()
             with torch.no_grad():
                 holder.strategy.commit()
-        # checksum: the same receiver; the senders send digests, the receivers check them
-        bridges = {"bridge": receiver, "shm": bridge.Receiver(plan, shared, rank=rank, timeout=300),
+        # checksum, shm_checksum: the same receivers; the senders send digests, the receivers check them
+        held_shm = bridge.Receiver(plan, shared, rank=rank, timeout=300)
+        bridges = {"bridge": receiver, "shm": held_shm,
                    "swap": bridge.Receiver(plan, swapped, rank=rank, timeout=300, swap=True),
                    "inplace": bridge.Receiver(plan, inplace, rank=rank, timeout=300, atomic=False),
-                   "checksum": receiver}
+                   "checksum": receiver, "shm_checksum": held_shm}
         runs = {k: (lambda r=r, k=k: r.sync(transport=ROUTE.get(k, "gloo"))) for k, r in bridges.items()}
         need = sum(m.nbytes for m in plan.messages if m.dst == rank)
         held, into = torch.ones(max(need, 1), dtype=torch.uint8), torch.ones(max(need, 1), dtype=torch.uint8)
@@ -428,7 +432,7 @@ def worker(args) -> None:
         os._exit(0)  # skip the JAX coordination shutdown barrier
 
 
-ROUTE = {"shm": "auto"}  # the transport of each bridge row (else "gloo")
+ROUTE = {"shm": "auto", "shm_checksum": "auto"}  # the transport of each bridge row (else "gloo")
 
 
 def _jax_params(args, src):
