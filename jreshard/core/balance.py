@@ -136,19 +136,21 @@ def _greedy(rows: _Rows, classes: np.ndarray, receivers: np.ndarray, load: np.nd
     inverse, nbytes, chosen = rows.cls, rows.nbytes, rows.chosen
     totals = np.bincount(inverse, weights=nbytes)
     by_class = _stable_argsort(inverse)
-    bounds = np.searchsorted(inverse[by_class], np.arange(len(classes) + 1))
+    bounds = np.concatenate([[0], np.cumsum(np.bincount(inverse, minlength=len(classes)))])
     for c in np.argsort(-totals, kind="stable"):
         members = classes[c][classes[c] >= 0]
         mine = by_class[bounds[c]:bounds[c + 1]]
         size = nbytes[mine]
-        if len(size) and not (size == size[0]).all():  # equal sizes: a stable sort keeps the order
+        equal = not len(size) or bool((size == size[0]).all())
+        if not equal:  # equal sizes: a stable sort keeps the order
             mine = mine[np.argsort(-size, kind="stable")]
         R = len(members)
         if not balance:
             chosen[mine] = members[0]
             load[members[0]] += nbytes[mine].sum()
         elif len(mine) > max(64 * R, 20_000):
-            _water_fill(mine[_stable_argsort(receivers[mine])], members, nbytes, chosen, load)
+            _water_fill(mine[_stable_argsort(receivers[mine])], members, nbytes, chosen, load,
+                        float(size[0]) if equal else None)
         else:
             # Longest-processing-time in chunks of R rows: each chunk's largest row goes
             # to the least loaded member, and so on.
@@ -167,22 +169,35 @@ def _stable_argsort(a: np.ndarray) -> np.ndarray:
 
 
 def _water_fill(mine: np.ndarray, members: np.ndarray, nbytes: np.ndarray, chosen: np.ndarray,
-                load: np.ndarray) -> None:
+                load: np.ndarray, equal: float | None = None) -> None:
     """Many rows: fill the members up to a common level, each taking a contiguous run of
-    rows in receiver order (few sender -> receiver pairs); vectorised."""
-    R = len(members)
-    size = nbytes[mine]
+    rows in receiver order (few sender -> receiver pairs); vectorised. ``equal``: every row's
+    size, where they are all the same (then they are not gathered).
+
+    Byte counts are integers, exact in float64, so sums do not depend on their order, and the
+    sizes of equal rows up to row i are exactly (i + 1) * equal.
+    """
+    R, n = len(members), len(mine)
+    if equal is None:
+        size = nbytes[mine]
+        total, mid = size.sum(), np.cumsum(size) - size / 2
+    else:
+        total, mid = n * equal, np.arange(1, n + 1, dtype=np.float64) * equal - equal / 2
     have = load[members]
     srt = np.sort(have)
     # Water level: the first k members (least loaded) filled up to a common level.
-    levels = (size.sum() + np.cumsum(srt)) / np.arange(1, R + 1)
+    levels = (total + np.cumsum(srt)) / np.arange(1, R + 1)
     fits = np.nonzero(levels[:-1] <= srt[1:])[0]
     level = levels[fits[0]] if len(fits) else levels[-1]
     quota = np.maximum(level - have, 0.0)
     ends = np.cumsum(quota)
-    mid = np.cumsum(size) - size / 2
-    chosen[mine] = members[np.minimum(np.searchsorted(ends, mid), R - 1)]
-    load[:] += np.bincount(chosen[mine], weights=size, minlength=len(load))
+    # Row i goes to the first member whose end reaches its middle (searchsorted(ends, mid)); the middles
+    # increase, so each member takes a contiguous run, found by searching the R ends in the rows' middles.
+    cut = np.concatenate([[0], np.searchsorted(mid, ends[:-1], side="right"), [n]])
+    runs = np.diff(cut)
+    chosen[mine] = np.repeat(members, runs)
+    taken = runs[runs > 0] * equal if equal is not None else np.add.reduceat(size, cut[:-1][runs > 0])
+    np.add.at(load, members[runs > 0], taken)
 
 
 def _refine(choices: list[Choice], rows: _Rows, classes: np.ndarray, load: np.ndarray,
