@@ -18,7 +18,16 @@ from jreshard.core.balance import Choice, Split, balance_senders
 from jreshard.core.layout import Layout, _Grid, _grid
 from jreshard.core.mesh import Mesh
 from jreshard.core.overlaps import GridKey, Overlaps, grid_key, overlaps
-from jreshard.core.rows import IN_ORDER, ArrayRows, GroupRows, LeafRanges, PairRows, pair_order, presorted_rows
+from jreshard.core.rows import (
+    IN_ORDER,
+    ArrayRows,
+    GroupRows,
+    LeafRanges,
+    PairRows,
+    TiledRows,
+    pair_order,
+    presorted_rows,
+)
 
 __all__ = ["Leaf", "plan_leaves"]
 
@@ -284,9 +293,32 @@ def _assemble(stage: _Stage, chosen: _Chosen | None, splits: list[Split] | None)
         tiled.src[chosen.rows] = chosen.src
     if splits is None and M:
         order = presorted_rows(p, stage.inv, stage.pdst_c)
+        if order is IN_ORDER or (order is None and _in_order(stage, tiled.src)):
+            _frozen(tiled.src, stage.pdst_c)
+            tiled_rows = TiledRows(stage.lower, stage.naive, overlaps=p, src=tiled.src, pdst=stage.pdst_c,
+                                   inv=stage.inv, itemsize=stage.itemsize)
+            return tiled_rows, np.arange(T + 1) * M
         if order is not None:
             return _presorted_group(stage, tiled, order), np.arange(T + 1) * M
     return _general_group(stage, tiled, splits or [])
+
+
+def _in_order(stage: _Stage, src: np.ndarray) -> bool:
+    """Whether the tiled rows (senders ``src`` [T*M]) are sorted already, as ``_general_group`` would sort
+    them by ``_row_key`` (tensor, dst, src, box), every overlap kept; without building the key."""
+    p, T, M = stage.overlaps, len(stage.members), len(stage.overlaps.dst_pos)
+    if _row_key_bound(p, T, src, stage.pdst_c) is None or not (p.vol > 0).all():
+        return False
+    if M < 2:
+        return True
+    pd = stage.pdst_c[np.unique(stage.inv)]
+    if (pd[:, 1:] < pd[:, :-1]).any():
+        return False
+    same_dst = (stage.pdst_c[:, 1:] == stage.pdst_c[:, :-1])[stage.inv]  # [T, M-1]
+    rank = _box_rank(p)
+    s = src.reshape(T, M)
+    up = (s[:, 1:] > s[:, :-1]) | ((s[:, 1:] == s[:, :-1]) & (rank[1:] > rank[:-1]))
+    return bool((up | ~same_dst).all())
 
 
 def _presorted_group(stage: _Stage, tiled: _Tiled, order: np.ndarray) -> ArrayRows:
@@ -350,16 +382,29 @@ def _row_key(p: Overlaps, T: int, s: np.ndarray, d: np.ndarray) -> np.ndarray | 
     row. ``None`` when the key would not fit in int64 or a device id is negative.
     """
     M = len(p.dst_pos)
+    bound = _row_key_bound(p, T, s, d)
+    if bound is None:
+        return None
+    n_s, n_d = bound
+    t = np.repeat(np.arange(T, dtype=np.int64), M)
+    return ((t * n_d + d) * n_s + s) * M + np.tile(_box_rank(p), T)
+
+
+def _row_key_bound(p: Overlaps, T: int, s: np.ndarray, d: np.ndarray) -> tuple[int, int] | None:
+    """The radixes (senders, receivers) of ``_row_key``, or ``None`` where it has no key."""
+    M = len(p.dst_pos)
     if not len(s) or s.min() < 0 or d.min() < 0:
         return None
     n_s, n_d = int(s.max()) + 1, int(d.max()) + 1
-    if T * n_d * n_s * M >= 1 << 62:
-        return None
-    ndim = p.lo.shape[1]
+    return None if T * n_d * n_s * M >= 1 << 62 else (n_s, n_d)
+
+
+def _box_rank(p: Overlaps) -> np.ndarray:
+    """Each overlap's place among the group's boxes sorted by their lower corners (ties by overlap index)."""
+    M, ndim = len(p.dst_pos), p.lo.shape[1]
     rank = np.empty(M, np.int64)
     rank[np.lexsort([p.lo[:, k] for k in range(ndim - 1, -1, -1)]) if ndim else np.arange(M)] = np.arange(M)
-    t = np.repeat(np.arange(T, dtype=np.int64), M)
-    return ((t * n_d + d) * n_s + s) * M + np.tile(rank, T)
+    return rank
 
 
 def _unique_small(a: np.ndarray, bound: int) -> tuple[np.ndarray, np.ndarray]:

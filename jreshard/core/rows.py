@@ -128,7 +128,35 @@ class PairRows:
 
 
 
-GroupRows = ArrayRows | PairRows
+@dataclasses.dataclass(frozen=True, slots=True)
+class TiledRows:
+    """A group whose senders were chosen per row, without split rows, whose rows are sorted as they come:
+    every tensor's rows are the group's overlaps in their own order, so only the senders are kept per row.
+
+    Tensor k's rows are ``src[k*M:(k+1)*M]`` to ``pdst[inv[k]]``, boxes ``overlaps.lo``/``hi``, bytes
+    the overlaps' volumes times ``itemsize[k]``; ``move_arrays`` expands them, nothing else does.
+    """
+
+    lower: dict[int, int]  # leaf -> lower bound bytes
+    naive: dict[int, int]  # leaf -> gather-then-broadcast bytes
+    overlaps: Overlaps
+    src: np.ndarray  # [T*M] sender per row, tensor after tensor
+    pdst: np.ndarray  # [C, M] receiver per pair and overlap
+    inv: np.ndarray  # [T] pair of each tensor
+    itemsize: np.ndarray  # [T]
+
+    def rows(self, a: int, b: int) -> MoveRows:
+        """Rows a:b, one tensor's range."""
+        c = int(self.inv[a // self.pdst.shape[1]])
+        return MoveRows(self.src[a:b], self.pdst[c], self.overlaps.lo, self.overlaps.hi)  # read-only, shared
+
+    def move_arrays(self) -> MoveArrays:
+        """Every row, one move each."""
+        nbytes = (self.itemsize[:, None] * self.overlaps.vol[None, :]).ravel()
+        return MoveArrays(self.src, self.pdst[self.inv].ravel(), nbytes, np.ones(len(self.src), np.int64))
+
+
+GroupRows = ArrayRows | PairRows | TiledRows
 
 
 def _box_keys(p: Overlaps) -> list[np.ndarray]:
