@@ -1,11 +1,13 @@
-"""The water fill that balances large classes of rows (jreshard.core.balance._water_fill), against its rule."""
+"""The water fill that balances large classes of rows (jreshard.core.water), against its rule row by row."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from jreshard.core.balance import _water_fill
+import jreshard.core.balance as balance
+from jreshard.core.balance import _greedy, _Rows, _water_fill
+from jreshard.core.water import Fill
 
 
 def rule(mine, members, nbytes, load):
@@ -47,7 +49,7 @@ def test_water_fill_follows_its_rule(seed, equal):
     load = rng.integers(0, 20_000, devices).astype(np.float64)
     want, want_load = rule(mine.tolist(), members.tolist(), nbytes, load)
     chosen, got_load = np.full(rows, -1), load.copy()
-    _water_fill(mine, members, nbytes, chosen, got_load, 256.0 if equal else None)
+    _water_fill(mine, members, nbytes, chosen, got_load)
     assert {int(i): int(chosen[i]) for i in mine} == want
     np.testing.assert_array_equal(got_load, want_load)
     # each member takes one contiguous run of the rows, in their order
@@ -55,13 +57,63 @@ def test_water_fill_follows_its_rule(seed, equal):
     assert all(np.sum(np.diff(np.nonzero(order == m)[0]) != 1) == 0 for m in members)
 
 
-def test_equal_sizes_given_or_gathered_agree():
-    rng = np.random.default_rng(7)
-    members, nbytes, mine = np.array([1, 3, 4, 8]), np.full(50_000, 4096.0), rng.permutation(50_000)
-    load = rng.integers(0, 10**8, 10).astype(np.float64)
-    a, b = np.full(50_000, -1), np.full(50_000, -1)
-    la, lb = load.copy(), load.copy()
-    _water_fill(mine, members, nbytes, a, la)
-    _water_fill(mine, members, nbytes, b, lb, 4096.0)
-    np.testing.assert_array_equal(a, b)
-    np.testing.assert_array_equal(la, lb)
+def _rows(rng, n_classes: int, sizes, devices: int, big: bool):
+    """Rows of ``n_classes`` candidate sets over ``devices`` senders, receivers 100..131, sizes from ``sizes``."""
+    counts = rng.integers(25_000, 60_000, n_classes) if big else rng.integers(1, 300, n_classes)
+    inverse = rng.permutation(np.repeat(np.arange(n_classes), counts))
+    n = len(inverse)
+    nbytes = rng.choice(np.asarray(sizes, np.float64), n)
+    receivers = rng.integers(100, 132, n)
+    classes = np.full((n_classes, 4), -1, np.int64)
+    for c in range(n_classes):
+        k = int(rng.integers(1, 5))
+        classes[c, :k] = np.sort(rng.choice(devices, k, replace=False))
+    rows = _Rows(block=np.zeros(n, np.int64), brow=np.arange(n), cls=inverse, nbytes=nbytes,
+                 chosen=np.full(n, -1, np.int64))
+    return rows, classes, receivers
+
+
+def test_fill_follows_the_rule_on_one_class():
+    """One class of many rows of three sizes: every row's member and the loads as the rule gives them, over
+    the rows sorted by (receiver, larger first, row)."""
+    rng = np.random.default_rng(3)
+    rows, classes, receivers = _rows(rng, 1, (96.0, 4096.0, 700.0), 6, True)
+    members = classes[0][classes[0] >= 0]
+    load = rng.integers(0, 10**6, 6).astype(np.float64)
+    order = np.lexsort([np.arange(len(receivers)), -rows.nbytes, receivers])
+    want, want_load = rule(order.tolist(), members.tolist(), rows.nbytes, load)
+    fill = Fill.of(rows.cls, receivers, rows.nbytes, 1)
+    assert fill is not None and fill.takes(0, len(members))
+    got_load = load.copy()
+    fill.level(0, members, got_load)
+    assert len(members) > 1 and fill.cut  # runs end inside some receivers' blocks
+    fill.assign(rows.chosen)
+    assert rows.chosen.tolist() == [want[i] for i in range(len(receivers))]
+    np.testing.assert_array_equal(got_load, want_load)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_greedy_with_and_without_the_fill_agree(seed, monkeypatch):
+    """Large and small classes, shared senders, mixed sizes: the fill changes no member and no load."""
+    rng = np.random.default_rng(seed)
+    big, classes, receivers = _rows(rng, 5, (256.0, 688.0, 8192.0)[: 1 + seed % 3], 8, True)
+    small, small_classes, small_receivers = _rows(rng, 3, (64.0, 100.0), 8, False)
+    rows = _Rows(block=np.concatenate([big.block, small.block]), brow=np.concatenate([big.brow, small.brow]),
+                 cls=np.concatenate([big.cls, small.cls + len(classes)]),
+                 nbytes=np.concatenate([big.nbytes, small.nbytes]),
+                 chosen=np.full(len(big.cls) + len(small.cls), -1, np.int64))
+    classes, receivers = np.concatenate([classes, small_classes]), np.concatenate([receivers, small_receivers])
+    load = rng.integers(0, 10**7, 8).astype(np.float64)
+    assert Fill.of(rows.cls, receivers, rows.nbytes, len(classes)) is not None
+    fast, fast_load = dataclass_copy(rows), load.copy()
+    _greedy(fast, classes, receivers, fast_load, True)
+    monkeypatch.setattr(balance.Fill, "of", classmethod(lambda cls, *a: None))
+    slow, slow_load = dataclass_copy(rows), load.copy()
+    _greedy(slow, classes, receivers, slow_load, True)
+    np.testing.assert_array_equal(fast.chosen, slow.chosen)
+    np.testing.assert_array_equal(fast_load, slow_load)
+    assert (fast.chosen >= 0).all()
+
+
+def dataclass_copy(rows: _Rows) -> _Rows:
+    return _Rows(rows.block.copy(), rows.brow.copy(), rows.cls.copy(), rows.nbytes.copy(), rows.chosen.copy())

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import numpy as np
 
 from jreshard.core.overlaps import Overlaps
+from jreshard.core.water import Fill, water_ends, water_rows
 
 __all__ = ["Choice", "Split", "balance_senders"]
 
@@ -134,23 +135,26 @@ def balance_senders(choices: list[Choice], fixed_src: np.ndarray, fixed_bytes: n
 def _greedy(rows: _Rows, classes: np.ndarray, receivers: np.ndarray, load: np.ndarray, balance: bool) -> None:
     """A first sender for every row, class after class (largest total bytes first)."""
     inverse, nbytes, chosen = rows.cls, rows.nbytes, rows.chosen
-    totals = np.bincount(inverse, weights=nbytes)
-    by_class = _stable_argsort(inverse)
-    bounds = np.concatenate([[0], np.cumsum(np.bincount(inverse, minlength=len(classes)))])
+    totals = np.bincount(inverse, weights=nbytes, minlength=len(classes))
+    fill = Fill.of(inverse, receivers, nbytes, len(classes)) if balance else None
+    rest = None  # the rows of the classes the fill does not take, class after class in row order, and bounds
     for c in np.argsort(-totals, kind="stable"):
         members = classes[c][classes[c] >= 0]
-        mine = by_class[bounds[c]:bounds[c + 1]]
-        size = nbytes[mine]
-        equal = not len(size) or bool((size == size[0]).all())
-        if not equal:  # equal sizes: a stable sort keeps the order
-            mine = mine[np.argsort(-size, kind="stable")]
         R = len(members)
+        if fill is not None and fill.takes(c, R):
+            fill.level(c, members, load)
+            continue
+        if rest is None:
+            rest = _by_class(inverse, None if fill is None else fill.taken, len(classes))
+        mine = rest[0][rest[1][c]:rest[1][c + 1]]
+        size = nbytes[mine]
+        if len(size) and not (size == size[0]).all():  # equal sizes: a stable sort keeps the order
+            mine = mine[np.argsort(-size, kind="stable")]
         if not balance:
             chosen[mine] = members[0]
             load[members[0]] += nbytes[mine].sum()
-        elif len(mine) > max(64 * R, 20_000):
-            _water_fill(mine[_stable_argsort(receivers[mine])], members, nbytes, chosen, load,
-                        float(size[0]) if equal else None)
+        elif len(mine) > water_rows(R):
+            _water_fill(mine[_stable_argsort(receivers[mine])], members, nbytes, chosen, load)
         else:
             # Longest-processing-time in chunks of R rows: each chunk's largest row goes
             # to the least loaded member, and so on.
@@ -159,6 +163,16 @@ def _greedy(rows: _Rows, classes: np.ndarray, receivers: np.ndarray, load: np.nd
                 senders = members[np.argsort(load[members], kind="stable")[: len(chunk)]]
                 chosen[chunk] = senders
                 load[senders] += nbytes[chunk]
+    if fill is not None:
+        fill.assign(chosen)
+
+
+def _by_class(inverse: np.ndarray, taken: np.ndarray | None, n_classes: int) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of every class not ``taken`` (of all, for ``None``), class after class in row order, and each
+    class's bounds in them [n_classes + 1]."""
+    rows = np.arange(len(inverse)) if taken is None else np.flatnonzero(~taken[inverse])
+    order = rows[_stable_argsort(inverse[rows])]
+    return order, np.concatenate([[0], np.cumsum(np.bincount(inverse[rows], minlength=n_classes))])
 
 
 def _stable_argsort(a: np.ndarray) -> np.ndarray:
@@ -169,35 +183,15 @@ def _stable_argsort(a: np.ndarray) -> np.ndarray:
 
 
 def _water_fill(mine: np.ndarray, members: np.ndarray, nbytes: np.ndarray, chosen: np.ndarray,
-                load: np.ndarray, equal: float | None = None) -> None:
-    """Many rows: fill the members up to a common level, each taking a contiguous run of
-    rows in receiver order (few sender -> receiver pairs); vectorised. ``equal``: every row's
-    size, where they are all the same (then they are not gathered).
-
-    Byte counts are integers, exact in float64, so sums do not depend on their order, and the
-    sizes of equal rows up to row i are exactly (i + 1) * equal.
-    """
-    R, n = len(members), len(mine)
-    if equal is None:
-        size = nbytes[mine]
-        total, mid = size.sum(), np.cumsum(size) - size / 2
-    else:
-        total, mid = n * equal, np.arange(1, n + 1, dtype=np.float64) * equal - equal / 2
-    have = load[members]
-    srt = np.sort(have)
-    # Water level: the first k members (least loaded) filled up to a common level.
-    levels = (total + np.cumsum(srt)) / np.arange(1, R + 1)
-    fits = np.nonzero(levels[:-1] <= srt[1:])[0]
-    level = levels[fits[0]] if len(fits) else levels[-1]
-    quota = np.maximum(level - have, 0.0)
-    ends = np.cumsum(quota)
-    # Row i goes to the first member whose end reaches its middle (searchsorted(ends, mid)); the middles
-    # increase, so each member takes a contiguous run, found by searching the R ends in the rows' middles.
-    cut = np.concatenate([[0], np.searchsorted(mid, ends[:-1], side="right"), [n]])
+                load: np.ndarray) -> None:
+    """Fills ``members`` by water (``jreshard.core.water``) with rows ``mine``, sorted: each takes one run."""
+    size = nbytes[mine]
+    ends = water_ends(load[members], size.sum())
+    # The middles increase, so each member's run ends where the next member's quota begins.
+    cut = np.concatenate([[0], np.searchsorted(np.cumsum(size) - size / 2, ends[:-1], side="right"), [len(mine)]])
     runs = np.diff(cut)
     chosen[mine] = np.repeat(members, runs)
-    taken = runs[runs > 0] * equal if equal is not None else np.add.reduceat(size, cut[:-1][runs > 0])
-    np.add.at(load, members[runs > 0], taken)
+    np.add.at(load, members[runs > 0], np.add.reduceat(size, cut[:-1][runs > 0]))
 
 
 def _refine(choices: list[Choice], rows: _Rows, classes: np.ndarray, load: np.ndarray,
