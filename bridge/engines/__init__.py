@@ -9,9 +9,10 @@ weight-transfer backend of vLLM) adds only what the engine knows, through two se
 
 - worker side: the worker's hello (``worker_hello`` with its place in the engine and its
   ``EngineParam`` list) and a commit function (``WorkerSync.receive(version, commit)``,
-  returning a ``Commit``), called from the engine's own worker hooks;
-- trainer side: an ``EngineControl`` (connect, begin_update, update, end_update) over the
-  engine's control API, given to ``TrainerSync``.
+  returning a ``Commit``), called from the engine's own worker hooks (``WorkerSync.start``
+  first, where the engine serves while the bytes arrive);
+- trainer side: an ``EngineControl`` (connect, pause, begin_update, update, end_update) over
+  the engine's control API, given to ``TrainerSync``.
 
 Importing this package imports neither torch nor jax: the pure names below are imported
 at once, the torch names (``WorkerSync``, ``Commit``, ``GroupInfo``, ``StagingReceiver``,

@@ -38,9 +38,11 @@ from bridge.trainer.sender import Sender, describe
 from bridge.wire.route import Mode
 from jreshard.core.args import check_flag, check_int, check_name, check_seconds
 
-__all__ = ["EngineControl", "SyncReport", "TrainerSync"]
+__all__ = ["PAUSES", "EngineControl", "SyncReport", "TrainerSync"]
 
 log = logging.getLogger("bridge")
+
+PAUSES = ("sync", "commit")  # TrainerSync's pause: what the engine's generation pauses for
 
 # What a trainer does after a failed sync: the wire's own advice (rebuild the default group on every
 # rank) does not fit here, where the workers cannot be reached and ``sync`` opens a new group itself.
@@ -58,14 +60,18 @@ class EngineControl(Protocol):
     def connect(self, info: GroupInfo) -> None:
         """Tells every worker to join the group ``info`` names (``bridge.engines.worker.WorkerSync.join``)."""
 
+    def pause(self) -> bool:
+        """Pauses the engine's generation until ``end_update``; False where this engine cannot pause."""
+
     def begin_update(self) -> None:
-        """Prepares the engine for new weights (e.g. pauses generation); undoes its own part if it raises."""
+        """Has every worker start receiving the next sync (``WorkerSync.start``); returns at once."""
 
     def update(self, version: int) -> None:
-        """Has every worker receive and commit ``version`` (``WorkerSync.receive``)."""
+        """Has every worker wait for ``version``'s bytes and commit them (``WorkerSync.receive``)."""
 
     def end_update(self, version: int | None) -> None:
-        """Ends an update begun by ``begin_update``: ``version`` is now served, or ``None`` when it failed."""
+        """Ends an update begun by ``begin_update``: ``version`` is now served, or ``None`` when it failed;
+        generation resumes if ``pause`` paused it."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -84,12 +90,18 @@ class SyncReport:
         transposes, a worker's ``vote`` and ``wait`` its time waiting for the trainers.
       transport_bytes: per worker rank, the bytes it received per route (``"shm"``: written into its
         staging by trainers on its host; ``"gloo"``: over sockets; ``bridge.wire.route``).
+      sync_seconds: this rank's whole ``sync`` call (the group's set-up included on a first sync).
+      pause_seconds: on trainer rank 0, the seconds the engine's generation was paused (from the
+        pause to the resume: the whole sync with ``pause="sync"``, the commit with ``"commit"``);
+        ``None`` on the other ranks and where the engine cannot pause.
     """
 
     version: int
     bytes_received: dict[int, int]
     seconds: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
     transport_bytes: dict[int, dict[str, int]] = dataclasses.field(default_factory=dict)
+    sync_seconds: float = 0.0
+    pause_seconds: float | None = None
 
 
 class TrainerSync:
@@ -117,13 +129,17 @@ class TrainerSync:
       transport: ``"auto"`` (shared memory with workers on this host, gloo with the others), ``"shm"``
         or ``"gloo"`` (``bridge.wire.route``; the workers ask for ``"auto"``, and a pair takes shared
         memory only where both sides allow it).
+      pause: when the engine stops generating: ``"sync"`` (the default) for the whole sync, so that
+        every request the engine takes meanwhile waits for the new weights; ``"commit"`` only while
+        the workers commit: the bytes stream into their staging tensors while the engine goes on
+        generating with the previous weights (refit while serving).
     """
 
     def __init__(self, recipe: Recipe, *, workers: int, control: EngineControl | None = None,
                  rank: int | None = None, trainers: int | None = None, host: str = "127.0.0.1", port: int,
                  bucket_bytes: int = 16 << 20, timeout: float = 60.0, ready_timeout: float = 600.0,
                  secret: bytes | str | None = None,
-                 checksum: bool = False, transport: str = "auto") -> None:
+                 checksum: bool = False, transport: str = "auto", pause: str = "sync") -> None:
         import jax
 
         if not isinstance(recipe, Recipe):
@@ -146,6 +162,10 @@ class TrainerSync:
             raise TypeError(f"transport must be 'auto', 'shm' or 'gloo', got {type(transport).__name__}.")
         Mode.parse(transport)
         self.transport = transport
+        if pause not in PAUSES:
+            raise ValueError(f"pause must be one of {PAUSES}: 'sync' pauses generation for the whole sync, 'commit' "
+                             f"only while the workers commit; got {pause!r}.")
+        self.pause = pause
         self.info = GroupInfo(*args, secret=_job_secret(secret, self.rank, self.trainers, port, ready_timeout))
         self.group: Any = None
         self.plan: BridgePlan | None = None
@@ -214,6 +234,7 @@ class TrainerSync:
             learns it and refuses the sync; the next ``sync`` reconnects).
         """
         check_int("version", version)
+        t_sync = time.perf_counter()
         if self.group is None:
             self.connect(params)
         assert self.sender is not None
@@ -221,35 +242,49 @@ class TrainerSync:
             from bridge.trainer.fp8 import quantize_params
 
             params = quantize_params(params, self.fp8)
-        begun, update = False, None
+        control, begun, update, paused = self.control, False, None, None
         try:
-            if self.control is not None:
-                self.control.begin_update()
+            if control is not None:
+                if self.pause == "sync":
+                    paused = self._pause(control)
+                control.begin_update()
                 begun = True
-                update = self._pool.submit(self.control.update, version)
+                if self.pause == "sync":  # the workers commit as soon as they have the bytes
+                    update = self._pool.submit(control.update, version)
             t0 = time.perf_counter()
             self.sender.sync(params, version, group=self.group, transport=self.transport)
             seconds = {"send": time.perf_counter() - t0, **wire_seconds(self.sender.last_stats)}
+            if control is not None and update is None:  # pause="commit": the bytes are in the workers' staging
+                paused = self._pause(control)
+                update = self._pool.submit(control.update, version)
             rows = all_gather_json({"rank": self.rank, "error": None, "seconds": seconds}, self.group,
                                    timeout=self.info.timeout, what="the commit report")
             _raise_worker_errors(rows, f"committing version {version}")
             if update is not None:
                 update.result()
                 begun = False
-                self.control.end_update(version)  # type: ignore[union-attr]
+                control.end_update(version)  # type: ignore[union-attr]
         except BaseException as e:
             self._drop_group()
             if update is not None:
                 _settle(update)
-            if begun:  # ends the engine's update (it committed nothing)
-                self.control.end_update(None)  # type: ignore[union-attr]
+            if begun or paused is not None:  # ends the engine's update (it committed nothing) and resumes
+                control.end_update(None)  # type: ignore[union-attr]
             if isinstance(e, SyncError) and not isinstance(e, PlanMismatchError):
                 raise e.with_advice(_RETRY_ADVICE) from None
             raise
+        done = time.perf_counter()
         workers = [r for r in rows if r["rank"] >= self.trainers]
         return SyncReport(version, {r["rank"]: int(r["bytes_received"]) for r in workers},
                           {r["rank"]: r.get("seconds", {}) for r in rows},
-                          {r["rank"]: {k: int(v) for k, v in r.get("transport_bytes", {}).items()} for r in workers})
+                          {r["rank"]: {k: int(v) for k, v in r.get("transport_bytes", {}).items()} for r in workers},
+                          sync_seconds=done - t_sync, pause_seconds=None if paused is None else done - paused)
+
+    @staticmethod
+    def _pause(control: EngineControl) -> float | None:
+        """Pauses the engine; when it paused (``time.perf_counter()``), or None where it cannot pause."""
+        t = time.perf_counter()
+        return t if control.pause() else None
 
     def close(self) -> None:
         """Closes the group and releases the port; the engine's workers then take a new ``TrainerSync``'s group.

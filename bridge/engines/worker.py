@@ -10,10 +10,13 @@ received tensors into the live model. Everything else is here:
    tensors (this rank's params in its logical layout, never a full tensor) and a
    ``StagingReceiver`` over them. Every rank learns every rank's outcome, so a mismatch
    is refused on every rank before any byte moves.
-2. ``receive(version, commit)``: the receiver fills the staging tensors; once every rank
-   got everything, ``commit`` puts them into the model; every rank learns each worker's
-   outcome, byte counter and seconds (the trainers' ``SyncReport``).
-3. ``close``: forget the group; the trainers open a new one after a failure.
+2. ``start``: the receiver begins filling the staging tensors in a thread of its own, so
+   the engine may go on serving while the bytes arrive (the model is not touched).
+3. ``receive(version, commit)``: waits for the bytes (or receives them now, without a
+   ``start``); once every rank got everything, ``commit`` puts them into the model; every
+   rank learns each worker's outcome, byte counter and seconds (the trainers' ``SyncReport``).
+   ``settle`` ends a started receive that no ``receive`` committed (the trainers failed).
+4. ``close``: forget the group; the trainers open a new one after a failure.
 
 No method raises: an engine's control plane may not survive a worker that raises while
 its peers return (vLLM's multiprocess executor then reads stale replies), and the
@@ -24,6 +27,7 @@ the methods return whether they succeeded.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -191,6 +195,8 @@ class WorkerSync:
         self._info: GroupInfo | None = None
         self._adoptable: frozenset[str] = frozenset()
         self._tied: dict[str, str] = {}  # engine params committed from another param's staging tensor
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jreshard-receive")
+        self._pending: concurrent.futures.Future | None = None  # a started receive (``start``)
 
     def join(self, info: GroupInfo, hello: Mapping[str, Any]) -> bool:
         """Joins the trainers' group, exchanges hellos and makes the staging tensors; True when every rank agreed.
@@ -252,22 +258,50 @@ class WorkerSync:
             close_group(group)
         return False
 
+    def start(self) -> None:
+        """Begins receiving the next sync into the staging tensors in a thread of its own; returns at once.
+
+        The engine may go on generating meanwhile: nothing here touches the model. ``receive``
+        then waits for the bytes and commits them.
+        """
+        self.settle()
+        if self.receiver is not None and self.group is not None:
+            self._pending = self._pool.submit(self._receive_bytes, self.receiver, self.group)
+
+    @staticmethod
+    def _receive_bytes(receiver: StagingReceiver, group: Any) -> tuple[int, float]:
+        t0 = time.perf_counter()
+        got = receiver.sync(group)
+        return got, time.perf_counter() - t0
+
+    def settle(self) -> None:
+        """Ends a started receive that no ``receive`` committed (the trainers failed after ``start``).
+
+        Its bytes are dropped and the group closed (the trainers closed theirs): a receive still
+        waiting for data then fails at once, in its own thread. Returns without waiting for it.
+        """
+        if self._pending is not None:
+            log.info("jreshard: rank %s drops a sync that no update committed", self.rank)
+            self.close()
+
     def receive(self, version: int, commit: CommitFn) -> bool:
-        """Receives ``version`` into the staging tensors, commits it, reports; True when every rank committed.
+        """Receives ``version`` into the staging tensors (or waits for ``start``'s receive), commits it,
+        reports; True when every rank committed.
 
         ``version`` is the one the engine's control plane announced; the trainers' must equal it.
         """
+        pending, self._pending = self._pending, None
         if self.receiver is None or self.group is None:
             log.error("jreshard: rank %s: an update without a sync group; the trainers join again after a "
                       "failure.", self.rank)
             return False
-        t0 = time.perf_counter()
         try:
-            got = self.receiver.sync(self.group)
+            got, received = pending.result() if pending is not None else self._receive_bytes(self.receiver,
+                                                                                               self.group)
         except SyncError as e:  # every rank of the group fails this sync; the model is untouched
             self.fail(f"receiving version {version}", e)
             return False
-        seconds = {"receive": time.perf_counter() - t0, "unpack": self.receiver.unpack_seconds,
+        seconds = {"receive": received, "unpack": self.receiver.unpack_seconds,
                    **wire_seconds(self.receiver.last_stats)}
         error = None
         if got != version:
@@ -312,4 +346,4 @@ class WorkerSync:
     def close(self) -> None:
         """Forgets the group, the plan and the staging tensors (the model keeps its weights)."""
         close_group(self.group)
-        self.group, self.receiver, self.plan = None, None, None
+        self.group, self.receiver, self.plan, self._pending = None, None, None, None

@@ -159,7 +159,8 @@ def assert_matches(got: list[dict], want: list[dict], atol: float = 2e-4, near_t
     return compared
 
 
-def oracle(engine: dict, out: Path, v: int, prompts: list[list[int]] = C.PROMPTS) -> list[dict]:
+def oracle(engine: dict, out: Path, v: int, prompts: list[list[int]] = C.PROMPTS,
+           max_tokens: int = C.MAX_TOKENS) -> list[dict]:
     """``transformers``' greedy tokens on ``prompts`` with the trainers' weights of version ``v``."""
     cfg = C.config(engine["kind"])
     with np.load(out / f"params_v{v}.npz") as z:
@@ -167,11 +168,11 @@ def oracle(engine: dict, out: Path, v: int, prompts: list[list[int]] = C.PROMPTS
     state = hf_state(flat, cfg)
     if engine["kind"] == "fp8":  # the trainers' weights as the sync quantizes them (bfloat16 where kept)
         state = fp8_values(state)[0]
-    return C.hf_greedy(C.hf_model(cfg, state), prompts, C.MAX_TOKENS)
+    return C.hf_greedy(C.hf_model(cfg, state), prompts, max_tokens)
 
 
 def start_trainers(engine, out: Path, versions: str, mode: str = "normal",
-                   timeout: float = 30.0) -> list[subprocess.Popen]:
+                   timeout: float = 30.0, pause: str = "sync") -> list[subprocess.Popen]:
     out.mkdir(parents=True, exist_ok=True)
     jax_port, sync_port = free_ports(2)
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
@@ -183,7 +184,8 @@ def start_trainers(engine, out: Path, versions: str, mode: str = "normal",
                 [C.python(), str(C.HERE / "trainer_worker.py"), "--rank", str(rank), "--jax-port", str(jax_port),
                  "--sync-port", str(sync_port), "--server", str(engine["address"][1]), "--model",
                  str(engine["model"]), "--out", str(out), "--versions", versions, "--mode", mode,
-                 "--kind", engine["kind"], "--timeout", str(timeout), "--client", engine.get("client", "remote")],
+                 "--kind", engine["kind"], "--timeout", str(timeout), "--client", engine.get("client", "remote"),
+                 "--pause", pause],
                 cwd=C.ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     return procs
 

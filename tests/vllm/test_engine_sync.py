@@ -19,7 +19,7 @@ import pytest
 jax = pytest.importorskip("jax")
 
 from bridge.engines.hello import EngineParam, EngineShape, build_param_map, worker_hello  # noqa: E402
-from bridge.engines.trainer import TrainerSync  # noqa: E402
+from bridge.engines.trainer import PAUSES, TrainerSync  # noqa: E402
 from bridge.engines.worker import Commit, GroupInfo, WorkerSync  # noqa: E402
 from bridge.errors import SyncError  # noqa: E402
 from bridge.recipes import Recipe  # noqa: E402
@@ -69,6 +69,9 @@ class Engine:
         self.workers = {r: WorkerSync() for r in WORKERS}
         self.models: dict[int, dict[str, np.ndarray]] = {r: {} for r in WORKERS}
         self.stall: set[int] = set()  # workers whose next update never receives
+        self.events: list[str] = []  # the control calls, in order
+        self.can_pause = False  # whether pause() pauses (vLLM's LLMClient cannot, HTTPClient can)
+        self.on_pause: Any = None  # called when the trainer pauses
         self._pool = concurrent.futures.ThreadPoolExecutor(len(WORKERS))
 
     def _all(self, fn) -> list[Any]:
@@ -77,10 +80,21 @@ class Engine:
     def connect(self, info: GroupInfo) -> None:
         self._all(lambda r: self.workers[r].join(info, self.hellos[r]))
 
+    def pause(self) -> bool:
+        self.events.append("pause")
+        if self.on_pause is not None:
+            self.on_pause()
+        return self.can_pause
+
     def begin_update(self) -> None:
-        pass
+        self.events.append("begin")
+        for r in WORKERS:
+            if r not in self.stall:
+                self.workers[r].start()
 
     def update(self, version: int) -> None:
+        self.events.append("update")
+
         def one(r: int) -> bool:
             if r in self.stall:
                 self.stall.discard(r)
@@ -94,7 +108,9 @@ class Engine:
         return Commit(len(tensors), 0.0)
 
     def end_update(self, version: int | None) -> None:
-        pass
+        self.events.append("end")
+        for w in self.workers.values():
+            w.settle()
 
     def close(self) -> None:
         for w in self.workers.values():
@@ -147,20 +163,68 @@ def _missing_leaf(cfg: LlamaConfig) -> dict:
 @pytest.mark.parametrize("bad,match", [(_wrong_shape, r"up_proj/kernel'\] is \(32, 32\)"),
                                        (_missing_leaf, r"lacks trainer leaves \['final_norm/scale'\]")],
                          ids=["wrong-shape", "missing-leaf"])
-def test_a_retry_after_a_failed_sync_works_at_once_on_the_same_object_and_port(setup, bad, match):
+@pytest.mark.parametrize("pause", PAUSES)
+def test_a_retry_after_a_failed_sync_works_at_once_on_the_same_object_and_port(setup, bad, match, pause):
     cfg, params, engine, trainer = setup
-    sync = trainer(free_ports(1)[0])
+    engine.can_pause = True
+    sync = trainer(free_ports(1)[0], pause=pause)
     sync.sync(params, 1)
     check_served(engine, sync, params)
     with pytest.raises(ValueError, match=match) as failed:  # the traceback stays alive, holding the old group
         sync.sync(bad(cfg), 2)
     assert failed.value is not None and sync.group is None
+    assert engine.events[-1] == "end"  # the failed update was ended, and generation resumed
     t0 = time.monotonic()
     new = make_params(cfg, 3)
     report = sync.sync(new, 3)
     assert time.monotonic() - t0 < 10.0
     assert report.version == 3 and all(w.version == 3 for w in engine.workers.values())
     check_served(engine, sync, new)
+
+
+def _reference(sync: TrainerSync, params: Any) -> dict[int, dict[str, np.ndarray]]:
+    assert sync.plan is not None
+    return sync.plan.reference({k: np.asarray(v) for k, v in flatten_params(params).items()})
+
+
+@pytest.mark.parametrize("pause", PAUSES)
+def test_generation_pauses_for_the_whole_sync_or_only_for_the_commit(setup, pause):
+    cfg, params, engine, trainer = setup
+    sync = trainer(free_ports(1)[0], pause=pause)
+    sync.sync(params, 1)
+    old, new = _reference(sync, params), make_params(cfg, 2)
+    seen: dict[str, Any] = {}
+
+    def at_pause() -> None:  # what the workers hold when generation stops
+        seen["models"] = {r: dict(engine.models[r]) for r in WORKERS}
+        seen["staging"] = {r: {n: t.clone().numpy() for n, t in engine.workers[r].receiver.params.items()}
+                           for r in WORKERS}
+
+    engine.events.clear()
+    engine.can_pause, engine.on_pause = True, at_pause
+    report = sync.sync(new, 2)
+    check_served(engine, sync, new)
+    want = _reference(sync, new)
+    if pause == "sync":
+        assert engine.events == ["pause", "begin", "update", "end"]
+    else:  # the bytes were staged while the engine served; it paused only to commit them
+        assert engine.events == ["begin", "pause", "update", "end"]
+        for r in WORKERS:
+            assert sorted(seen["staging"][r]) == sorted(want[r])
+            for name, a in want[r].items():
+                np.testing.assert_array_equal(seen["staging"][r][name], a, err_msg=name)
+    for r in WORKERS:  # either way nothing was committed before the pause
+        for name, a in old[r].items():
+            np.testing.assert_array_equal(seen["models"][r][name], a, err_msg=name)
+    assert report.pause_seconds is not None and 0 < report.pause_seconds <= report.sync_seconds
+    engine.can_pause = False  # an engine that cannot pause: the report says so
+    assert sync.sync(params, 3).pause_seconds is None
+
+
+def test_a_bad_pause_is_refused_with_the_choices(setup):
+    _, _, _, trainer = setup
+    with pytest.raises(ValueError, match=r"pause must be one of \('sync', 'commit'\).*got 'always'"):
+        trainer(free_ports(1)[0], pause="always")
 
 
 def test_a_sync_error_advises_calling_sync_again_and_that_works(setup):

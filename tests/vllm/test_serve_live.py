@@ -6,13 +6,20 @@ with ``bridge.engines.vllm.http.HTTPClient`` (vLLM's HTTP weight-sync client: th
 ``/pause`` and ``/resume``, the job's secret in the init info). After each of two syncs the
 greedy tokens and log-probabilities that ``/v1/completions`` returns for token-id prompts equal
 ``transformers`` on the trainers' weights, and ``/weight_info`` reports the trainers' version.
+
+Refit while serving: with ``VLLMWeightSync(pause="commit")`` and ``HTTPClient(pause_mode="keep")``, a
+greedy request streamed from ``/inference/v1/generate`` (``--enable-scale-out``) and frozen mid-flight
+finishes across a sync; the weight versions the server reports for its tokens split it where the
+weights changed, and each span equals ``transformers`` with that version's weights.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,8 +38,13 @@ from tests.vllm._live import (  # noqa: E402
     HTTP_TIMEOUT,
     assert_matches,
     check_two_syncs,
+    finish,
     generate,
+    logs,
+    oracle,
+    start_trainers,
     version,
+    wait_sync,
     write_model,
 )
 
@@ -69,7 +81,7 @@ def vllm_serve(base: Path) -> Iterator[dict]:
     cmd = [C.python(), "-m", "bridge.engines.vllm.serve", str(base / "model"), "--host", "127.0.0.1",
            "--port", str(port), "--served-model-name", SERVED, "--tensor-parallel-size", str(C.TP),
            "--dtype", "float32", "--enforce-eager", "--skip-tokenizer-init", "--max-model-len", "256",
-           "--distributed-executor-backend", "mp", "--uvicorn-log-level", "warning"]
+           "--distributed-executor-backend", "mp", "--uvicorn-log-level", "warning", "--enable-scale-out"]
     with open(base / "server.log", "w") as log:  # the child keeps its own descriptor
         proc = subprocess.Popen(cmd, cwd=C.ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -115,3 +127,94 @@ def test_two_syncs_over_http_match_transformers_and_set_the_version(server, tmp_
         assert [r["ok"] for r in recs] == [True, True]
         assert version(server) == "2"
         assert requests.get(f"{server['url']}/is_paused", timeout=HTTP_TIMEOUT).json() == {"is_paused": False}
+
+
+LONG = 200  # tokens of the request in flight across a refit (the model holds 256)
+
+
+class Stream:
+    """One greedy request streamed from ``/inference/v1/generate`` in a thread; ``first`` is set at its first token."""
+
+    def __init__(self, url: str, prompt: list[int]) -> None:
+        self.chunks: list[dict] = []
+        self.first, self.error = threading.Event(), None
+        body = {"token_ids": prompt, "stream": True,
+                "sampling_params": {"max_tokens": LONG, "temperature": 0.0, "ignore_eos": True}}
+        self.thread = threading.Thread(target=self._read, args=(f"{url}/inference/v1/generate", body), daemon=True)
+        self.thread.start()
+
+    def _read(self, url: str, body: dict) -> None:
+        try:
+            with requests.post(url, json=body, stream=True, timeout=HTTP_TIMEOUT) as r:
+                r.raise_for_status()
+                for line in r.iter_lines():
+                    if line.startswith(b"data: ") and line != b"data: [DONE]":
+                        self.chunks.append(json.loads(line[6:]))
+                        self.first.set()
+        except Exception as e:  # the test reports it
+            self.error = e
+        finally:
+            self.first.set()
+
+    def result(self) -> tuple[list[int], list[dict]]:
+        """The request's tokens and the weight versions of their spans (from the final chunk)."""
+        self.thread.join(HTTP_TIMEOUT)
+        assert not self.thread.is_alive() and self.error is None, self.error
+        choices = [c for chunk in self.chunks for c in chunk["choices"]]
+        tokens = [t for c in choices for t in c.get("token_ids") or []]
+        return tokens, choices[-1]["weight_versions"]
+
+
+def _in_flight(url: str) -> float:
+    """Requests the server holds unfinished (running or waiting), from its Prometheus metrics."""
+    text = requests.get(f"{url}/metrics", timeout=HTTP_TIMEOUT).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{")))
+
+
+def _frozen_request(url: str, prompt: list[int]) -> Stream:
+    """A long greedy request that produced tokens and is frozen by ``/pause?mode=keep`` before it finished.
+
+    A request that finished before the pause took effect is replaced by another (it never happened
+    here: the pause comes within milliseconds of the first token, the request takes seconds)."""
+    for _ in range(3):
+        stream = Stream(url, prompt)
+        assert stream.first.wait(HTTP_TIMEOUT) and stream.error is None, stream.error
+        requests.post(f"{url}/pause", params={"mode": "keep"}, timeout=HTTP_TIMEOUT).raise_for_status()
+        if _in_flight(url) >= 1:
+            return stream
+        requests.post(f"{url}/resume", timeout=HTTP_TIMEOUT).raise_for_status()
+        stream.result()
+    pytest.fail(f"a {LONG}-token request finished before the server paused, three times")
+
+
+def test_a_request_in_flight_across_a_refit_gets_each_token_from_the_weights_that_produced_it(server, tmp_path):
+    with showing_log(server):
+        url = server["url"]
+        procs = start_trainers(server, tmp_path, "1,2", pause="commit")
+        try:
+            (tmp_path / "start_v1").touch()
+            assert wait_sync(tmp_path, procs, 0, 1)["ok"]
+            (tmp_path / "go_v1").touch()
+            prompt = C.PROMPTS[0]
+            stream = _frozen_request(url, prompt)
+            (tmp_path / "start_v2").touch()  # sync 2 streams into staging, pauses for the commit, resumes
+            rec = wait_sync(tmp_path, procs, 0, 2)
+            assert rec["ok"], rec
+            tokens, spans = stream.result()
+            (tmp_path / "go_v2").touch()
+            assert finish(procs, tmp_path) == [0, 0], logs(tmp_path)
+        finally:
+            kill_all(procs)
+        assert version(server) == "2"
+        assert requests.get(f"{url}/is_paused", timeout=HTTP_TIMEOUT).json() == {"is_paused": False}
+        assert len(tokens) == LONG
+        assert [s["version"] for s in spans] == ["1", "2"], spans
+        cut = spans[1]["start"]
+        assert spans[0] == {"version": "1", "start": 0, "end": cut} and spans[1]["end"] == LONG and 0 < cut < LONG
+        # Before the cut, version 1's greedy tokens; after it, version 2's greedy continuation of the prompt
+        # and those tokens (vLLM's pause dropped the request's cache, so the new weights recompute it).
+        assert tokens[:cut] == oracle(server, tmp_path, 1, [prompt], cut)[0]["tokens"]
+        assert tokens[cut:] == oracle(server, tmp_path, 2, [prompt + tokens[:cut]], LONG - cut)[0]["tokens"]
+        # the trainers paused the engine for the commit only
+        assert rec["pause_seconds"] is not None and 0 < rec["pause_seconds"] < rec["sync_seconds"]

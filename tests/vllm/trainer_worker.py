@@ -11,7 +11,9 @@ Rank 0 waits for the file ``go_v{v}`` before the next version, so the test can q
 ``--mode die`` makes rank 1 exit in the middle of the first sync; ``--mode retry`` sends version 2 with
 ``final_norm/scale`` of the wrong shape (the sync fails on every rank) and goes on with the next version
 on the same ``VLLMWeightSync``. ``--client http`` drives a ``vllm serve`` server on port ``--server``
-(tests/vllm/test_serve_live.py) with ``bridge.engines.vllm.http.HTTPClient``. ``--kind`` names the model
+(tests/vllm/test_serve_live.py) with ``bridge.engines.vllm.http.HTTPClient``; ``--pause commit`` syncs with
+``VLLMWeightSync(pause="commit")`` and an ``HTTPClient`` that pauses in vLLM's ``"keep"`` mode, and every rank
+waits for the file ``start_v{v}`` before syncing version ``v``. ``--kind`` names the model
 (``tests/vllm/_common.KINDS``; ``fp8``: the engine serves it as block-FP8, the sync quantizes).
 """
 
@@ -42,6 +44,13 @@ def save(out: str, rank: int) -> None:
     os.replace(name + ".tmp", name)
 
 
+def wait_for(path: str, seconds: float = 300.0) -> None:
+    """Returns once the test made the file ``path`` (or after ``seconds``)."""
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _by_dtype(params, size: dict[str, int]) -> dict[str, int]:
     """The bytes of ``params``' regions per dtype (what one worker receives of each)."""
     out: dict[str, int] = {}
@@ -62,6 +71,8 @@ def main() -> None:
     ap.add_argument("--kind", default="dense", choices=sorted(C.KINDS))
     ap.add_argument("--client", default="remote", choices=["remote", "http"],
                     help="rank 0 drives the engine server (remote) or a `vllm serve` server over HTTP on --server")
+    ap.add_argument("--pause", default="sync", choices=["sync", "commit"],
+                    help="VLLMWeightSync's pause; with commit, each rank waits for start_v{v} before syncing v")
     args = ap.parse_args()
 
     import dataclasses
@@ -99,12 +110,13 @@ def main() -> None:
     if args.rank == 0 and args.client == "http":
         from bridge.engines.vllm.http import HTTPClient
 
-        client = HTTPClient(f"http://127.0.0.1:{args.server}", timeout=300.0)
+        client = HTTPClient(f"http://127.0.0.1:{args.server}", timeout=300.0,
+                            pause_mode="keep" if args.pause == "commit" else "abort")
     elif args.rank == 0:
         client = C.RemoteClient(("127.0.0.1", args.server))
     sync = VLLMWeightSync(recipe, workers=C.TP, client=client, rank=args.rank, trainers=C.TRAINERS,
                           port=args.sync_port, bucket_bytes=(64 << 10) if args.mode == "die" else (16 << 20),
-                          timeout=args.timeout, ready_timeout=120.0)
+                          timeout=args.timeout, ready_timeout=120.0, pause=args.pause)
     if args.mode == "die" and args.rank == 1:
         from bridge.trainer.sender import Sender
 
@@ -132,6 +144,8 @@ def main() -> None:
             norm = NamedSharding(mesh, P(None))
             send = {**params, "final_norm": {"scale": jax.make_array_from_callback(
                 (cfg.hidden_size // 2,), norm, lambda idx: np.ones(cfg.hidden_size // 2, np.float32)[idx])}}
+        if args.pause == "commit":
+            wait_for(os.path.join(args.out, f"start_v{v}"))
         t0 = time.perf_counter()
         try:
             report = sync.sync(send, v)
@@ -139,6 +153,7 @@ def main() -> None:
             size = {p.name: jnp.dtype(p.dtype).itemsize for p in plan.param_map.params}
             events["syncs"][str(v)] = {
                 "ok": True, "seconds": time.perf_counter() - t0, "loss": float(loss), "fp8": sync.fp8 is not None,
+                "sync_seconds": report.sync_seconds, "pause_seconds": report.pause_seconds,
                 "bytes_received": {str(r): n for r, n in report.bytes_received.items()},
                 "transport_bytes": {str(r): moved for r, moved in report.transport_bytes.items()},
                 "plan_recv": {str(r): n for r, n in plan.rank_bytes()["recv"].items()},
@@ -156,10 +171,7 @@ def main() -> None:
             break
         save(args.out, args.rank)
         if args.rank == 0:
-            go = os.path.join(args.out, f"go_v{v}")
-            deadline = time.monotonic() + 300
-            while not os.path.exists(go) and time.monotonic() < deadline:
-                time.sleep(0.2)
+            wait_for(os.path.join(args.out, f"go_v{v}"))
     sync.close()
     save(args.out, args.rank)
     if args.mode == "die":

@@ -14,12 +14,15 @@ live model (``bridge.engines.vllm.model.write_layers``) and vLLM's four phases:
    trainer's leaves and recipe; this worker's TP rank, replica and engine params from the
    live model, and its FP8 block format when the model is block-FP8), and agree on the plan.
    A mismatch is refused on every rank before any byte moves.
-2. ``start_weight_update``: nothing to prepare (the staging tensors persist).
-3. ``update_weights({"version": v})``: receive this rank's slices into staging tensors,
-   then, once every rank got everything, commit them layer by layer with vLLM's post-load
-   processing; every rank learns each worker's outcome. A failed transfer leaves the model
-   untouched; the group is then closed and the trainer initialises again.
-4. ``finish_weight_update``: ends the update (the engine's version is set by the client).
+2. ``start_weight_update``: begin receiving this rank's slices into the staging tensors in a
+   thread of the worker's own, and return: the engine goes on generating while they arrive
+   unless the trainer paused it.
+3. ``update_weights({"version": v})``: wait for the slices, then, once every rank got
+   everything, commit them layer by layer with vLLM's post-load processing; every rank
+   learns each worker's outcome. A failed transfer leaves the model untouched; the group is
+   then closed and the trainer initialises again.
+4. ``finish_weight_update``: ends the update (the engine's version is set by the client); a
+   receive that no update committed (the trainers failed) is dropped.
 """
 
 from __future__ import annotations
@@ -116,6 +119,7 @@ class JReshardEngine(WeightTransferEngine[JReshardInitInfo, JReshardUpdateInfo])
     # ------------------------------------------------------------ phases 2-4
     def start_weight_update(self) -> None:
         self._received = None
+        self.sync.start()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class calls torch.accelerator.synchronize(), which a CPU worker must not rely on.
@@ -131,6 +135,7 @@ class JReshardEngine(WeightTransferEngine[JReshardInitInfo, JReshardUpdateInfo])
         return write_layers(self.model, tensors, adopt=adoptable)
 
     def finish_weight_update(self) -> None:
+        self.sync.settle()
         if self._received is not None:
             log.info("jreshard: rank %d serves version %d", self.sync.rank, self._received)
         self._received = None

@@ -5,9 +5,10 @@
 rank 0 holds the client (``bridge.engines.vllm.LLMClient`` over a ``vllm.LLM``, an
 ``AsyncLLM``-backed or HTTP client: any object with the four methods of vLLM's
 ``VLLMWeightSyncClient``), which ``ClientControl`` turns into the trainer's
-``EngineControl``. Generation is paused during an update where the client can pause
-(``pause_generation``/``resume_generation``); the engine reports the synced version
-(``client.get_weight_version()``).
+``EngineControl``. Generation is paused where the client can pause
+(``pause_generation``/``resume_generation``): for the whole sync, or with ``pause="commit"``
+only for the workers' commit while the bytes stream in as the engine serves; the engine
+reports the synced version (``client.get_weight_version()``).
 """
 
 from __future__ import annotations
@@ -48,15 +49,15 @@ class ClientControl:
             "world_size": info.world_size, "timeout": info.timeout, "ready_timeout": info.ready_timeout,
             "group_name": info.name, "secret": info.secret.hex()})
 
+    def pause(self) -> bool:
+        if not hasattr(self.client, "pause_generation"):
+            return False
+        self.client.pause_generation()
+        self._paused = True
+        return True
+
     def begin_update(self) -> None:
-        if hasattr(self.client, "pause_generation"):
-            self.client.pause_generation()
-            self._paused = True
-        try:
-            self.client.start_weight_update()
-        except BaseException:
-            self._resume()
-            raise
+        self.client.start_weight_update()
 
     def update(self, version: int) -> None:
         self.client.update_weights({"version": version})
@@ -83,8 +84,10 @@ class VLLMWeightSync(TrainerSync):
       recipe: how the trainer's leaves become vLLM params (``Recipe.llama(config)``, ...).
       workers: the number of vLLM workers (TP x DP of the engine).
       client: the engine's weight-sync client; required on trainer rank 0, ignored elsewhere.
-      rank, trainers, host, port, bucket_bytes, timeout, ready_timeout, secret, checksum, transport: as
-        ``TrainerSync``'s (with ``"auto"``, an engine on this host gets its bytes through shared memory).
+      rank, trainers, host, port, bucket_bytes, timeout, ready_timeout, secret, checksum, transport, pause:
+        as ``TrainerSync``'s (with ``"auto"``, an engine on this host gets its bytes through shared memory;
+        with ``pause="commit"`` it serves while they arrive, and a client that pauses in vLLM's ``"keep"``
+        mode, ``HTTPClient(url, pause_mode="keep")``, lets requests in flight go on with the new weights).
         The secret reaches the workers in the init info of ``init_weight_transfer_engine`` (as hex):
         keep that call on a channel only the job can read (the process itself, a private network, HTTPS).
 
@@ -101,7 +104,7 @@ class VLLMWeightSync(TrainerSync):
                  trainers: int | None = None, host: str = "127.0.0.1", port: int, bucket_bytes: int = 16 << 20,
                  secret: bytes | str | None = None,
                  timeout: float = 60.0, ready_timeout: float = 600.0, checksum: bool = False,
-                 transport: str = "auto") -> None:
+                 transport: str = "auto", pause: str = "sync") -> None:
         if rank is None:
             import jax
 
@@ -109,4 +112,4 @@ class VLLMWeightSync(TrainerSync):
         control = ClientControl(client) if rank == 0 else None
         super().__init__(recipe, workers=workers, control=control, rank=rank, trainers=trainers, host=host,
                          port=port, bucket_bytes=bucket_bytes, timeout=timeout, ready_timeout=ready_timeout,
-                         secret=secret, checksum=checksum, transport=transport)
+                         secret=secret, checksum=checksum, transport=transport, pause=pause)
