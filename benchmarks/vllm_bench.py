@@ -18,7 +18,9 @@ With ``--serve``, then the same syncs into a ``vllm serve`` server (``python -m
 bridge.engines.vllm.serve``, TP2 on 127.0.0.1) driven over HTTP (``bridge.engines.vllm.HTTPClient``),
 after the in-process engine has shut down: the sync's time and what its control calls cost (the
 phases that move no weights: ``/pause``, ``/start_weight_update``, ``/finish_weight_update``,
-``/resume``) beside the same calls on the in-process engine.
+``/resume``) beside the same calls on the in-process engine; then refit while serving
+(``benchmarks/refit_serving.py``): tokens/s during syncs against idle, and the pause over the sync,
+with ``pause="sync"`` and ``pause="commit"``.
 
 Then, from the planner alone, bytes per worker for Qwen3-32B and Qwen3-235B-A22B at vLLM TP8.
 Goals: bytes per worker equal the lower bound; jreshard at least 3x faster than nccl-like over shared
@@ -47,6 +49,8 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import refit_serving  # noqa: E402 (beside this script)
+
 from tests._procs import free_ports, kill_all  # noqa: E402 (the repository root is on the path)
 from tests.helpers import hf_state  # noqa: E402
 
@@ -187,7 +191,8 @@ def start_server(model_dir: str, log_path: str) -> tuple[subprocess.Popen, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "VLLM_ALLOW_INSECURE_SERIALIZATION")}
     cmd = [sys.executable, "-m", "bridge.engines.vllm.serve", model_dir, "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", "bench", "--tensor-parallel-size", "2", "--dtype", "float32", "--enforce-eager",
-           "--skip-tokenizer-init", "--max-model-len", "256", "--distributed-executor-backend", "mp"]
+           "--skip-tokenizer-init", "--max-model-len", "256", "--distributed-executor-backend", "mp",
+           "--enable-scale-out"]  # /inference/v1/generate, for the refit-while-serving rows
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=os.path.dirname(HERE), env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -236,6 +241,12 @@ def served(args: argparse.Namespace, cfg: Any, model_dir: str, params: Any, want
             requests.get(f"{url}/weight_info", timeout=60)
             trips.append(time.perf_counter() - t0)
         got = [c["tokens"] for c in completions(url, "bench", [[1, 2, 3, 4]], 8)]
+
+        def make_sync(pause: str) -> VLLMWeightSync:
+            return VLLMWeightSync(Recipe.llama(cfg), workers=2, client=HTTPClient(url, pause_mode="keep"), rank=0,
+                                  trainers=1, port=free_ports(1)[0], timeout=300.0, ready_timeout=300.0, pause=pause)
+
+        serving = refit_serving.measure(url, make_sync, params, args.reps)
     except BaseException:
         with open(log_path) as f:
             print(f"--- vllm serve log\n{f.read()[-4000:]}")
@@ -254,6 +265,7 @@ def served(args: argparse.Namespace, cfg: Any, model_dir: str, params: Any, want
     print(f"control calls: {', '.join(CONTROL)}; one HTTP round trip (GET /weight_info, median of 20): "
           f"{statistics.median(trips) * 1e3:.1f} ms; the server reports version {version!r} "
           f"(synced {1 + args.reps}); its greedy tokens equal the in-process engine's: {got == want}")
+    refit_serving.show(serving, args.reps)
 
 
 # ------------------------------------------------------------------ the live run
