@@ -84,8 +84,12 @@ def measure(url: str, make_sync: Any, params: Any, reps: int, idle_seconds: floa
                 report = sync.sync(params, version)
                 t1 = time.perf_counter()
                 version += 1
+                workers = [report.seconds[r] for r in sorted(report.bytes_received)]
                 rows.append({"rate": load.rate(t0, t1), "sync": report.sync_seconds,
-                             "pause": report.pause_seconds or 0.0})
+                             "pause": report.pause_seconds or 0.0, "send": report.seconds[0]["send"],
+                             "pack": report.seconds[0].get("pack", 0.0),
+                             "receive": max(w["receive"] for w in workers),
+                             "commit": max(w["commit"] for w in workers)})
             sync.close()
             out[pause] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     finally:
@@ -98,10 +102,13 @@ def show(result: dict[str, Any], reps: int) -> None:
     idle = result["idle"]
     print(f"\nRefit while serving (vllm serve, one streamed request of {TOKENS} tokens always in flight; "
           f"medians of {reps} syncs): idle {idle:.0f} tokens/s")
-    print(f"{'pause':<10}{'sync s':>8}{'paused s':>10}{'paused / sync':>15}{'tokens/s in sync':>18}{'/ idle':>8}")
+    print(f"{'pause':<10}{'sync s':>8}{'paused s':>10}{'paused / sync':>15}{'tokens/s in sync':>18}{'/ idle':>8}"
+          f"{'send (pack) s':>16}{'receive s':>11}{'commit s':>10}")
     for pause in ("sync", "commit"):
         row = result[pause]
         print(f"{pause:<10}{row['sync']:>8.3f}{row['pause']:>10.3f}{row['pause'] / row['sync']:>15.2f}"
-              f"{row['rate']:>18.0f}{row['rate'] / idle:>8.2f}")
+              f"{row['rate']:>18.0f}{row['rate'] / idle:>8.2f}{row['send']:>9.3f} ({row['pack']:.3f})"
+              f"{row['receive']:>11.3f}{row['commit']:>10.3f}")
+    print("(send: trainer rank 0's Sender.sync, of which pack; receive, commit: the slower worker's)")
     print(f"goal: pause='commit' paused / sync <= 0.25: {result['commit']['pause'] / result['commit']['sync'] <= 0.25}"
           f"; request errors: {len(result['errors'])} {result['errors'][:2]}")

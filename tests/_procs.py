@@ -1,4 +1,5 @@
-"""Process helpers of the multi-process tests: free ports, killing and waiting for worker process groups.
+"""Process helpers of the multi-process tests: free ports, killing and waiting for worker process groups, and
+the benchmarks' modules that start processes (``bench_module``).
 
 Standard library only: worker processes import it before choosing a side (jax, torch or vLLM).
 """
@@ -6,12 +7,18 @@ Standard library only: worker processes import it before choosing a side (jax, t
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterable
+from pathlib import Path
+from types import ModuleType
+
+BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
 
 
 def free_port() -> int:
@@ -53,3 +60,15 @@ def wait_all(procs: Iterable[subprocess.Popen], limit: float) -> None:
         pass
     finally:
         kill_all(procs)
+
+
+def bench_module(name: str) -> ModuleType:
+    """``benchmarks/<name>.py`` as a module (``jreshard_bench_<name>``), loaded once (the benchmarks are scripts)."""
+    key = f"jreshard_bench_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, BENCHMARKS / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[key] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[key]

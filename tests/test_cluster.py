@@ -5,7 +5,6 @@ Needs root and iproute2 (``ip``, ``tc``); skipped with the reason otherwise.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import subprocess
@@ -15,12 +14,9 @@ from types import SimpleNamespace
 
 import pytest
 
-_PATH = Path(__file__).parents[1] / "benchmarks" / "cluster.py"
-_spec = importlib.util.spec_from_file_location("jreshard_bench_cluster", _PATH)
-assert _spec is not None and _spec.loader is not None
-cluster = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = cluster
-_spec.loader.exec_module(cluster)
+from tests._procs import bench_module
+
+cluster = bench_module("cluster")
 
 REASON = cluster.unavailable()
 needs_namespaces = pytest.mark.skipif(REASON is not None, reason=f"no simulated cluster here: {REASON}")
@@ -99,11 +95,7 @@ def test_a_terminated_run_tears_its_cluster_down():
 
 def _bench():
     """benchmarks/cluster_bench.py as a module (it finds benchmarks/cluster.py next to it)."""
-    spec = importlib.util.spec_from_file_location("jreshard_bench_cluster_bench", _PATH.with_name("cluster_bench.py"))
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_module("cluster_bench")
 
 
 def test_bench_predictions_use_every_measured_input():

@@ -171,8 +171,11 @@ def oracle(engine: dict, out: Path, v: int, prompts: list[list[int]] = C.PROMPTS
     return C.hf_greedy(C.hf_model(cfg, state), prompts, max_tokens)
 
 
-def start_trainers(engine, out: Path, versions: str, mode: str = "normal",
-                   timeout: float = 30.0, pause: str = "sync") -> list[subprocess.Popen]:
+def start_trainers(engine, out: Path, versions: str, mode: str = "normal", timeout: float = 30.0,
+                   pause: str = "sync", place: Any = None, host: str = "127.0.0.1",
+                   gate: bool = False) -> list[subprocess.Popen]:
+    """The two trainer processes; ``place(rank, argv)`` gives the command that runs ``argv`` where that rank runs
+    (default: here), ``host`` is trainer rank 0's address; with ``gate`` each sync ``v`` waits for ``start_v{v}``."""
     out.mkdir(parents=True, exist_ok=True)
     jax_port, sync_port = free_ports(2)
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
@@ -180,13 +183,13 @@ def start_trainers(engine, out: Path, versions: str, mode: str = "normal",
     procs = []
     for rank in range(C.TRAINERS):
         with open(out / f"trainer{rank}.log", "w") as log:
-            procs.append(subprocess.Popen(
-                [C.python(), str(C.HERE / "trainer_worker.py"), "--rank", str(rank), "--jax-port", str(jax_port),
-                 "--sync-port", str(sync_port), "--server", str(engine["address"][1]), "--model",
-                 str(engine["model"]), "--out", str(out), "--versions", versions, "--mode", mode,
-                 "--kind", engine["kind"], "--timeout", str(timeout), "--client", engine.get("client", "remote"),
-                 "--pause", pause],
-                cwd=C.ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            argv = [C.python(), str(C.HERE / "trainer_worker.py"), "--rank", str(rank), "--jax-port", str(jax_port),
+                    "--sync-port", str(sync_port), "--server", str(engine["address"][1]), "--model",
+                    str(engine["model"]), "--out", str(out), "--versions", versions, "--mode", mode,
+                    "--kind", engine["kind"], "--timeout", str(timeout), "--client", engine.get("client", "remote"),
+                    "--pause", pause, "--host", host, "--server-host", engine["address"][0]] + ["--gate"] * gate
+            procs.append(subprocess.Popen(argv if place is None else place(rank, argv), cwd=C.ROOT, env=env,
+                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     return procs
 
 

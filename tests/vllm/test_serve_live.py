@@ -191,7 +191,7 @@ def _frozen_request(url: str, prompt: list[int]) -> Stream:
 def test_a_request_in_flight_across_a_refit_gets_each_token_from_the_weights_that_produced_it(server, tmp_path):
     with showing_log(server):
         url = server["url"]
-        procs = start_trainers(server, tmp_path, "1,2", pause="commit")
+        procs = start_trainers(server, tmp_path, "1,2", pause="commit", gate=True)
         try:
             (tmp_path / "start_v1").touch()
             assert wait_sync(tmp_path, procs, 0, 1)["ok"]

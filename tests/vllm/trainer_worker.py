@@ -12,8 +12,10 @@ Rank 0 waits for the file ``go_v{v}`` before the next version, so the test can q
 ``final_norm/scale`` of the wrong shape (the sync fails on every rank) and goes on with the next version
 on the same ``VLLMWeightSync``. ``--client http`` drives a ``vllm serve`` server on port ``--server``
 (tests/vllm/test_serve_live.py) with ``bridge.engines.vllm.http.HTTPClient``; ``--pause commit`` syncs with
-``VLLMWeightSync(pause="commit")`` and an ``HTTPClient`` that pauses in vLLM's ``"keep"`` mode, and every rank
-waits for the file ``start_v{v}`` before syncing version ``v``. ``--kind`` names the model
+``VLLMWeightSync(pause="commit")`` and an ``HTTPClient`` that pauses in vLLM's ``"keep"`` mode; with ``--gate``
+every rank makes the file ``ready_v{v}_r{rank}`` and waits for ``start_v{v}`` before syncing version ``v``.
+``--server-host`` and ``--host`` place the engine server and trainer rank 0 elsewhere than 127.0.0.1
+(tests/vllm/test_cluster_live.py). ``--kind`` names the model
 (``tests/vllm/_common.KINDS``; ``fp8``: the engine serves it as block-FP8, the sync quantizes).
 """
 
@@ -71,8 +73,11 @@ def main() -> None:
     ap.add_argument("--kind", default="dense", choices=sorted(C.KINDS))
     ap.add_argument("--client", default="remote", choices=["remote", "http"],
                     help="rank 0 drives the engine server (remote) or a `vllm serve` server over HTTP on --server")
-    ap.add_argument("--pause", default="sync", choices=["sync", "commit"],
-                    help="VLLMWeightSync's pause; with commit, each rank waits for start_v{v} before syncing v")
+    ap.add_argument("--server-host", default="127.0.0.1", help="the engine server's address")
+    ap.add_argument("--host", default="127.0.0.1",
+                    help="trainer rank 0's address (jax's coordinator and the sync group's store)")
+    ap.add_argument("--pause", default="sync", choices=["sync", "commit"], help="VLLMWeightSync's pause")
+    ap.add_argument("--gate", action="store_true", help="each rank waits for the file start_v{v} before syncing v")
     args = ap.parse_args()
 
     import dataclasses
@@ -85,7 +90,7 @@ def main() -> None:
     from bridge.engines.vllm import Recipe, VLLMWeightSync
     from jreshard.nn import fsdp_spec, make_optimizer, train_step
 
-    jax.distributed.initialize(f"127.0.0.1:{args.jax_port}", num_processes=C.TRAINERS, process_id=args.rank,
+    jax.distributed.initialize(f"{args.host}:{args.jax_port}", num_processes=C.TRAINERS, process_id=args.rank,
                                initialization_timeout=120)
     mesh = jax.make_mesh((4,), ("fsdp",), devices=jax.devices(), axis_types=(jax.sharding.AxisType.Auto,))
     cfg = C.config(args.kind)
@@ -110,12 +115,13 @@ def main() -> None:
     if args.rank == 0 and args.client == "http":
         from bridge.engines.vllm.http import HTTPClient
 
-        client = HTTPClient(f"http://127.0.0.1:{args.server}", timeout=300.0,
+        client = HTTPClient(f"http://{args.server_host}:{args.server}", timeout=300.0,
                             pause_mode="keep" if args.pause == "commit" else "abort")
     elif args.rank == 0:
-        client = C.RemoteClient(("127.0.0.1", args.server))
+        client = C.RemoteClient((args.server_host, args.server))
     sync = VLLMWeightSync(recipe, workers=C.TP, client=client, rank=args.rank, trainers=C.TRAINERS,
-                          port=args.sync_port, bucket_bytes=(64 << 10) if args.mode == "die" else (16 << 20),
+                          host=args.host, port=args.sync_port,
+                          bucket_bytes=(64 << 10) if args.mode == "die" else (16 << 20),
                           timeout=args.timeout, ready_timeout=120.0, pause=args.pause)
     if args.mode == "die" and args.rank == 1:
         from bridge.trainer.sender import Sender
@@ -144,7 +150,8 @@ def main() -> None:
             norm = NamedSharding(mesh, P(None))
             send = {**params, "final_norm": {"scale": jax.make_array_from_callback(
                 (cfg.hidden_size // 2,), norm, lambda idx: np.ones(cfg.hidden_size // 2, np.float32)[idx])}}
-        if args.pause == "commit":
+        if args.gate:  # tells the test this rank is idle until then (its step and gather are done)
+            open(os.path.join(args.out, f"ready_v{v}_r{args.rank}"), "w").close()
             wait_for(os.path.join(args.out, f"start_v{v}"))
         t0 = time.perf_counter()
         try:
@@ -157,6 +164,7 @@ def main() -> None:
                 "bytes_received": {str(r): n for r, n in report.bytes_received.items()},
                 "transport_bytes": {str(r): moved for r, moved in report.transport_bytes.items()},
                 "plan_recv": {str(r): n for r, n in plan.rank_bytes()["recv"].items()},
+                "plan_send": {str(r): n for r, n in plan.rank_bytes()["send"].items()},
                 "param_bytes": {str(r): sum(int(np.prod(p.shape)) * size[p.name] for p in plan.param_map.for_rank(r))
                                 for r in plan.param_map.ranks},
                 "region_bytes": {str(r): sum(int(np.prod(g.shape)) * size[p.name] for p in plan.param_map.for_rank(r)
