@@ -161,6 +161,7 @@ def main() -> None:
             events["syncs"][str(v)] = {
                 "ok": True, "seconds": time.perf_counter() - t0, "loss": float(loss), "fp8": sync.fp8 is not None,
                 "sync_seconds": report.sync_seconds, "pause_seconds": report.pause_seconds,
+                "rank_seconds": {str(r): secs for r, secs in report.seconds.items()},
                 "bytes_received": {str(r): n for r, n in report.bytes_received.items()},
                 "transport_bytes": {str(r): moved for r, moved in report.transport_bytes.items()},
                 "plan_recv": {str(r): n for r, n in plan.rank_bytes()["recv"].items()},
