@@ -12,7 +12,6 @@ Goal: with ``pause="commit"``, pause / sync <= 0.25.
 from __future__ import annotations
 
 import bisect
-import json
 import statistics
 import threading
 import time
@@ -32,20 +31,14 @@ class Load:
         self._thread.start()
 
     def _run(self) -> None:
-        import requests
+        from tests.vllm._live import stream_tokens
 
-        body = {"token_ids": PROMPTS[0], "stream": True,
-                "sampling_params": {"max_tokens": TOKENS, "temperature": 0.0, "ignore_eos": True}}
         while not self._stop.is_set():
             for prompt in PROMPTS:
                 try:
-                    with requests.post(f"{self.url}/inference/v1/generate", json={**body, "token_ids": prompt},
-                                       stream=True, timeout=300) as r:
-                        r.raise_for_status()
-                        for line in r.iter_lines():
-                            if line.startswith(b"data: ") and line != b"data: [DONE]":
-                                n = sum(len(c.get("token_ids") or []) for c in json.loads(line[6:])["choices"])
-                                self.stamps.extend([time.perf_counter()] * n)
+                    for chunk in stream_tokens(self.url, prompt, TOKENS):
+                        n = sum(len(c.get("token_ids") or []) for c in chunk["choices"])
+                        self.stamps.extend([time.perf_counter()] * n)
                 except Exception as e:  # counted, shown in the summary
                     self.errors.append(f"{type(e).__name__}: {e}")
                 if self._stop.is_set():

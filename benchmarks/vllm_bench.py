@@ -187,12 +187,11 @@ def start_server(model_dir: str, log_path: str) -> tuple[subprocess.Popen, str]:
     """``python -m bridge.engines.vllm.serve`` (TP2, 127.0.0.1); returns it and its URL once it answers /health."""
     import requests
 
+    from tests.vllm._live import serve_command
+
     port = free_ports(1)[0]
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "VLLM_ALLOW_INSECURE_SERIALIZATION")}
-    cmd = [sys.executable, "-m", "bridge.engines.vllm.serve", model_dir, "--host", "127.0.0.1", "--port", str(port),
-           "--served-model-name", "bench", "--tensor-parallel-size", "2", "--dtype", "float32", "--enforce-eager",
-           "--skip-tokenizer-init", "--max-model-len", "256", "--distributed-executor-backend", "mp",
-           "--enable-scale-out"]  # /inference/v1/generate, for the refit-while-serving rows
+    cmd = serve_command(model_dir, "127.0.0.1", port, "bench")  # with /inference/v1/generate (refit_serving)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=os.path.dirname(HERE), env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)

@@ -37,14 +37,43 @@ def write_model(base: Path, kind: str) -> Any:
     return model
 
 
+def engine_env() -> dict[str, str]:
+    """The environment of a live engine's process: vLLM on this CPU at TP2 (a core per worker), no downloads."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0|1",
+               PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+def serve_command(model_dir: Path | str, host: str, port: int, served: str) -> list[str]:
+    """``python -m bridge.engines.vllm.serve`` on the saved tiny model: TP2, float32, token-id prompts, with the
+    scale-out routes (``/inference/v1/generate``, whose completions carry ``weight_versions``)."""
+    return [C.python(), "-m", "bridge.engines.vllm.serve", str(model_dir), "--host", host, "--port", str(port),
+            "--served-model-name", served, "--tensor-parallel-size", str(C.TP), "--dtype", "float32",
+            "--enforce-eager", "--skip-tokenizer-init", "--max-model-len", "256",
+            "--distributed-executor-backend", "mp", "--uvicorn-log-level", "warning", "--enable-scale-out"]
+
+
+def stream_tokens(url: str, prompt: list[int], max_tokens: int) -> Iterator[dict]:
+    """The chunks of one greedy request streamed from a ``vllm serve`` server's ``/inference/v1/generate``
+    (server-sent events; the final chunk's choice carries ``weight_versions``)."""
+    import requests
+
+    body = {"token_ids": prompt, "stream": True,
+            "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}}
+    with requests.post(f"{url}/inference/v1/generate", json=body, stream=True, timeout=HTTP_TIMEOUT) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                yield json.loads(line[6:])
+
+
 @contextlib.contextmanager
 def engine_server(base: Path, kind: str) -> Iterator[dict]:
     """A vLLM engine (TP2, backend "jreshard") on a random ``kind`` model saved under ``base``."""
     model = write_model(base, kind)
     port_file = base / "port"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0|1",
-               PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    env.pop("XLA_FLAGS", None)
+    env = engine_env()
     with open(base / "engine.log", "w") as log:  # the child keeps its own descriptor
         proc = subprocess.Popen([C.python(), str(C.HERE / "engine_server.py"), str(base / "model"), str(port_file),
                                  "bfloat16" if kind == "fp8" else "float32"],

@@ -33,9 +33,11 @@ from tests.vllm._live import (  # noqa: E402
     ENGINE_START,
     STEP,
     assert_matches,
+    engine_env,
     finish,
     logs,
     oracle,
+    serve_command,
     start_trainers,
     wait_sync,
     write_model,
@@ -85,16 +87,10 @@ def test_trainers_on_two_other_nodes_sync_a_served_engine_over_the_shaped_links(
     out = tmp_path / "run"
     with cluster.Cluster(3, rate_mbit=1000, latency_ms=1, prefix=f"jrs-{os.getpid()}-v") as c:
         url = f"http://{c.addr(0)}:{PORT}"
-        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0|1",
-                   PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-        env.pop("XLA_FLAGS", None)
-        cmd = [C.python(), "-m", "bridge.engines.vllm.serve", str(tmp_path / "model"), "--host", c.addr(0),
-               "--port", str(PORT), "--served-model-name", SERVED, "--tensor-parallel-size", str(C.TP),
-               "--dtype", "float32", "--enforce-eager", "--skip-tokenizer-init", "--max-model-len", "256",
-               "--distributed-executor-backend", "mp", "--uvicorn-log-level", "warning"]
         log_path = tmp_path / "server.log"
         with open(log_path, "w") as log:
-            server = c.popen(0, cmd, cwd=C.ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            server = c.popen(0, serve_command(tmp_path / "model", c.addr(0), PORT, SERVED), cwd=C.ROOT,
+                             env=engine_env(), stdout=log, stderr=subprocess.STDOUT)
         procs: list[subprocess.Popen] = []
         try:
             _probe(c, "health", url, str(ENGINE_START), timeout=ENGINE_START + 60)

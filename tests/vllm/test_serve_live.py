@@ -16,8 +16,6 @@ weights changed, and each span equals ``transformers`` with that version's weigh
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import subprocess
 import threading
 import time
@@ -38,11 +36,14 @@ from tests.vllm._live import (  # noqa: E402
     HTTP_TIMEOUT,
     assert_matches,
     check_two_syncs,
+    engine_env,
     finish,
     generate,
     logs,
     oracle,
+    serve_command,
     start_trainers,
+    stream_tokens,
     version,
     wait_sync,
     write_model,
@@ -75,16 +76,9 @@ def vllm_serve(base: Path) -> Iterator[dict]:
     """``python -m bridge.engines.vllm.serve`` on a random tiny dense Qwen3, TP2 on 127.0.0.1."""
     model = write_model(base, "dense")
     (port,) = free_ports(1)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0|1",
-               PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    env.pop("XLA_FLAGS", None)
-    cmd = [C.python(), "-m", "bridge.engines.vllm.serve", str(base / "model"), "--host", "127.0.0.1",
-           "--port", str(port), "--served-model-name", SERVED, "--tensor-parallel-size", str(C.TP),
-           "--dtype", "float32", "--enforce-eager", "--skip-tokenizer-init", "--max-model-len", "256",
-           "--distributed-executor-backend", "mp", "--uvicorn-log-level", "warning", "--enable-scale-out"]
     with open(base / "server.log", "w") as log:  # the child keeps its own descriptor
-        proc = subprocess.Popen(cmd, cwd=C.ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(serve_command(base / "model", "127.0.0.1", port, SERVED), cwd=C.ROOT,
+                                env=engine_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_healthy(proc, url, base)
@@ -138,19 +132,14 @@ class Stream:
     def __init__(self, url: str, prompt: list[int]) -> None:
         self.chunks: list[dict] = []
         self.first, self.error = threading.Event(), None
-        body = {"token_ids": prompt, "stream": True,
-                "sampling_params": {"max_tokens": LONG, "temperature": 0.0, "ignore_eos": True}}
-        self.thread = threading.Thread(target=self._read, args=(f"{url}/inference/v1/generate", body), daemon=True)
+        self.thread = threading.Thread(target=self._read, args=(url, prompt), daemon=True)
         self.thread.start()
 
-    def _read(self, url: str, body: dict) -> None:
+    def _read(self, url: str, prompt: list[int]) -> None:
         try:
-            with requests.post(url, json=body, stream=True, timeout=HTTP_TIMEOUT) as r:
-                r.raise_for_status()
-                for line in r.iter_lines():
-                    if line.startswith(b"data: ") and line != b"data: [DONE]":
-                        self.chunks.append(json.loads(line[6:]))
-                        self.first.set()
+            for chunk in stream_tokens(url, prompt, LONG):
+                self.chunks.append(chunk)
+                self.first.set()
         except Exception as e:  # the test reports it
             self.error = e
         finally:
