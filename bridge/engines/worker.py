@@ -131,11 +131,12 @@ class StagingReceiver(Receiver):
         renewed = []
         for name in names:
             # The Receiver keeps the tensor it was given beside its data (for swapping commits, which
-            # this receiver does not make): one tensor per storage here, so that only others count.
+            # this receiver does not make): only its data here (a tensor without a view's base), so
+            # that only others count.
             self.rebind(name, self.params[name])
             if _shared(self.params[name]):
                 old = self.params[name]
-                self.rebind(name, _staging({name: (tuple(old.shape), old.dtype)}, old.device)[name])
+                self.rebind(name, _staging({name: (tuple(old.shape), old.dtype)}, old.device)[name].data)
                 renewed.append(name)
         return renewed
 
@@ -162,9 +163,9 @@ def _shared(t: torch.Tensor) -> bool:
 
 @functools.cache
 def _shm_refs() -> int:
-    """What holds the storage of a shared-memory staging tensor that nothing else holds (its segment
-    does too), measured once."""
-    return _use_count(shm.tensors({"probe": ((1,), torch.uint8)})["probe"])
+    """What holds the storage of the data of a shared-memory staging tensor that nothing else holds (its
+    mapping does too), measured once."""
+    return _use_count(shm.tensors({"probe": ((1,), torch.uint8)})["probe"].data)
 
 
 CommitFn = Callable[[Mapping[str, torch.Tensor], frozenset[str]], Commit]

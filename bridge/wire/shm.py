@@ -66,56 +66,64 @@ MAX_OPS = 1 << 20  # the most receives one credit may list
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # fault every page in at once, not one by one on first touch
 
 
-class Segment:
-    """``nbytes`` of shared memory (a sealed memfd mapped here); ``tensor`` is its payload as uint8.
+class Segment(NamedTuple):
+    """A shared-memory segment of this process (made by ``staging``): its sealed memfd ``fd``, the random
+    ``token`` its header holds (a sender checks it), and where its payload is mapped here (``ptr``,
+    ``nbytes``). It stays registered (``find``) and its fd open while any tensor on its memory lives,
+    whichever view or ``.data`` of the tensor ``staging`` returned holds it; then both go.
 
-      >>> from bridge.wire.shm import Segment, find
-      >>> s = Segment(1000)
-      >>> find(s.tensor[100:200]) == (s, 100)
-      True
+      >>> from bridge.wire.shm import find, staging
+      >>> t = staging(1000)
+      >>> seg, offset = find(t.data[100:200])
+      >>> offset, seg.nbytes, seg.ptr == t.data_ptr()
+      (100, 1000, True)
     """
 
-    def __init__(self, nbytes: int) -> None:
-        fd = os.memfd_create("jreshard-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(fd, HEAD + nbytes)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-            mm = mmap.mmap(fd, HEAD + nbytes, flags=mmap.MAP_SHARED | _POPULATE)
-        except BaseException:
-            os.close(fd)
-            raise
-        self.fd, self.nbytes, self.token = fd, nbytes, secrets.randbits(63)
-        np.frombuffer(mm, dtype=np.int64, count=2)[:] = (SEGMENT_MAGIC, self.token)
-        self.tensor = torch.frombuffer(mm, dtype=torch.uint8, offset=HEAD, count=nbytes)  # keeps ``mm`` alive
-        self.tensor._jreshard_segment = self  # type: ignore[attr-defined]  # the segment lives as long as its tensor
-        self.ptr = self.tensor.data_ptr()
-        _SEGMENTS[self.ptr] = self
-        # No lock here or in the finalizer: the garbage collector may run it inside any allocation.
-        weakref.finalize(self, _close, fd)
+    fd: int
+    token: int
+    ptr: int
+    nbytes: int
 
 
-# Segments by address; an entry goes with its segment (a weak dictionary is safe to iterate meanwhile).
-_SEGMENTS: weakref.WeakValueDictionary[int, Segment] = weakref.WeakValueDictionary()
+# Segments by payload address, while their memory is mapped. Dict operations are atomic: the finalizer
+# that removes an entry may run inside any allocation (the garbage collector), so nothing here takes a
+# lock, and ``find`` iterates a copy.
+_SEGMENTS: dict[int, Segment] = {}
 
 
-def _close(fd: int) -> None:
+def _release(seg: Segment) -> None:
+    """Called as the segment's mapping is freed (no tensor on it is left): unregisters it and closes its fd."""
+    if _SEGMENTS.get(seg.ptr) is seg:
+        _SEGMENTS.pop(seg.ptr, None)
     with contextlib.suppress(OSError):
-        os.close(fd)
+        os.close(seg.fd)
 
 
 def staging(nbytes: int) -> torch.Tensor:
-    """``nbytes`` (at least 1) of uint8 host memory that same-host senders can write into (a ``Segment``).
-
-    The segment lives as long as the returned tensor (views of it keep the memory, not the segment's
-    registration: keep the tensor itself, or make tensors with ``tensors``).
-    """
-    return Segment(max(int(nbytes), 1)).tensor
+    """``nbytes`` (at least 1) of uint8 host memory that same-host senders can write into: a ``Segment`` of
+    its own, which lives as long as any tensor on this memory (the mapping is the tensors' storage)."""
+    nbytes = max(int(nbytes), 1)
+    fd = os.memfd_create("jreshard-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, HEAD + nbytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        mm = mmap.mmap(fd, HEAD + nbytes, flags=mmap.MAP_SHARED | _POPULATE)
+    except BaseException:
+        os.close(fd)
+        raise
+    token = secrets.randbits(63)
+    np.frombuffer(mm, dtype=np.int64, count=2)[:] = (SEGMENT_MAGIC, token)
+    tensor = torch.frombuffer(mm, dtype=torch.uint8, offset=HEAD, count=nbytes)  # its storage keeps ``mm``
+    seg = Segment(fd, token, tensor.data_ptr(), nbytes)
+    _SEGMENTS[seg.ptr] = seg
+    weakref.finalize(mm, _release, seg)  # runs as the last tensor on the mapping goes
+    return tensor
 
 
 def tensors(specs: Mapping[str, tuple[Sequence[int], torch.dtype]]) -> dict[str, torch.Tensor]:
     """Zeroed tensors of the given shapes and dtypes by name, each in a segment of its own (so each has
     a storage of its own, as ``torch.zeros`` gives): an engine worker's staging that same-host senders
-    write into. Each tensor keeps its segment alive (whose own tensor holds the storage too).
+    write into.
 
       >>> import torch
       >>> from bridge.wire.shm import find, tensors
@@ -126,10 +134,7 @@ def tensors(specs: Mapping[str, tuple[Sequence[int], torch.dtype]]) -> dict[str,
     out = {}
     for n, (shape, dtype) in specs.items():
         size = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-        seg = Segment(max(size, 1))
-        t = seg.tensor[:size].view(dtype).view(tuple(shape))
-        t._jreshard_segment = seg  # type: ignore[attr-defined]
-        out[n] = t
+        out[n] = staging(size)[:size].view(dtype).view(tuple(shape))
     return out
 
 
@@ -139,7 +144,7 @@ def find(t: torch.Tensor) -> tuple[Segment, int] | None:
         return None
     lo = t.data_ptr()
     hi = lo + t.numel() * t.element_size()
-    for s in list(_SEGMENTS.values()):
+    for s in _SEGMENTS.copy().values():
         if s.ptr <= lo and hi <= s.ptr + s.nbytes:
             return s, lo - s.ptr
     return None

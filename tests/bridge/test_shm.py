@@ -28,8 +28,8 @@ def _other_process_view(seg: shm.Segment) -> int:
 
 def test_a_segment_is_sealed_nameless_and_bounded():
     before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    seg = shm.Segment(4096)
-    fd = _other_process_view(seg)
+    t = shm.staging(4096)
+    fd = _other_process_view(shm.find(t)[0])
     try:
         with pytest.raises(PermissionError):
             os.ftruncate(fd, 1 << 20)  # no sender can grow the receiver's memory
@@ -46,15 +46,35 @@ def test_a_segment_is_sealed_nameless_and_bounded():
 
 def test_find_locates_views_and_nothing_else():
     t = shm.staging(1000)
-    seg = t._jreshard_segment
+    seg = shm.find(t)[0]
+    assert seg.ptr == t.data_ptr() and seg.nbytes == 1000
     assert shm.find(t[10:20]) == (seg, 10)
     assert shm.find(t[990:]) == (seg, 990)
     assert shm.find(torch.empty(10, dtype=torch.uint8)) is None
 
 
+def test_a_segment_lives_while_any_tensor_on_its_memory_does():
+    # A view or a .data (what a Receiver keeps of the tensors it is given) keeps the segment registered
+    # after the tensor staging returned is gone; a worker's staging then still takes bytes by shared memory.
+    t = shm.staging(100)
+    seg = shm.find(t)[0]
+    kept = t.data[:48].view(torch.int32)
+    del t
+    gc.collect()
+    assert shm.find(kept) == (seg, 0)
+    staged = shm.tensors({"w": ((4, 8), torch.float32)})["w"]
+    data = staged.data
+    del staged
+    gc.collect()
+    assert shm.find(data) is not None
+    del kept, data
+    gc.collect()
+    assert seg.ptr not in shm._SEGMENTS
+
+
 def test_a_segment_goes_with_its_tensor():
     t = shm.staging(100)
-    fd, ptr = t._jreshard_segment.fd, t.data_ptr()
+    fd, ptr = shm.find(t)[0].fd, t.data_ptr()
     target = os.readlink(f"/proc/self/fd/{fd}")
     assert "memfd:jreshard-staging" in target
     del t
@@ -65,7 +85,7 @@ def test_a_segment_goes_with_its_tensor():
 
 def test_a_sender_writes_only_inside_the_credited_region():
     t = shm.staging(256)
-    seg = t._jreshard_segment
+    seg = shm.find(t)[0]
     maps = shm._Maps()
     inside = maps.region(1, os.getpid(), shm._Slot(seg.fd, seg.token, 64, 128))
     inside.fill_(7)

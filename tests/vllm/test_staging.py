@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from bridge import BridgePlan, Source, trainer_mesh
 from bridge.engines.hello import EngineShape, build_param_map
-from bridge.engines.worker import StagingReceiver, _shared
+from bridge.engines.worker import StagingReceiver, _shared, _staging
 from bridge.recipes import Recipe
+from bridge.wire import shm
 from jreshard.nn import LlamaConfig, fsdp_spec, param_shapes
 
 
@@ -41,3 +44,22 @@ def test_renew_replaces_only_the_tensors_the_model_still_holds():
     assert receiver.params[kept] is not before[kept] and receiver.params[kept].shape == before[kept].shape
     assert receiver.params[dropped] is before[dropped]  # reused by the next sync: no fresh pages
     assert holder.data_ptr() == before[kept].data_ptr()  # the model's weights are never written by a sync
+
+
+def test_staging_stays_in_shared_memory_across_commits():
+    # The receiver keeps each tensor's .data; the staging must stay in its segment after the tensors
+    # _staging made are gone, or same-host trainers' bytes fall back to gloo (they did from the
+    # garbage collector's first pass on, a few syncs in).
+    cfg = LlamaConfig.load("llama-tiny", num_hidden_layers=1)
+    src = Source.build(param_shapes(cfg), trainer_mesh((2,), "fsdp", [0], 2), fsdp_spec)
+    param_map = build_param_map(src, Recipe.llama(cfg), EngineShape(((1,),), False, "float32"))
+    mine = param_map.for_rank(1)
+    receiver = StagingReceiver(BridgePlan(src, param_map), _staging({p.name: (p.shape, torch.float32) for p in mine},
+                                                                    "cpu"), rank=1, atomic=False)
+    kept = "model.embed_tokens.weight"
+    holder = torch.nn.Parameter(receiver.params[kept], requires_grad=False)
+    for _ in range(3):  # commits that adopt every tensor: the model holds one, lets go of the others
+        assert receiver.renew([p.name for p in mine]) == [kept]
+        holder.data = receiver.params[kept]
+        gc.collect()
+        assert [p.name for p in mine if shm.find(receiver.params[p.name]) is None] == []
