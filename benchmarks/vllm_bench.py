@@ -38,7 +38,6 @@ import contextlib
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -51,7 +50,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import refit_serving  # noqa: E402 (beside this script)
 
-from tests._procs import free_ports, kill_all  # noqa: E402 (the repository root is on the path)
+from tests._procs import free_ports  # noqa: E402 (the repository root is on the path)
 from tests.helpers import hf_state  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -183,27 +182,15 @@ def phases(total: float, report: Any, control: float, run: dict[str, Any] | None
             "rest": total - run["send"] - commit}
 
 
-def start_server(model_dir: str, log_path: str) -> tuple[subprocess.Popen, str]:
-    """``python -m bridge.engines.vllm.serve`` (TP2, 127.0.0.1); returns it and its URL once it answers /health."""
-    import requests
+def start_server(model_dir: str, log_path: str) -> Any:
+    """``python -m bridge.engines.vllm.serve`` (TP2, 127.0.0.1), returned once it answers /health."""
+    from bridge.engines.vllm.server import Server
+    from tests.vllm._live import serve_arguments
 
-    from tests.vllm._live import serve_command
-
-    port = free_ports(1)[0]
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "VLLM_ALLOW_INSECURE_SERIALIZATION")}
-    cmd = serve_command(model_dir, "127.0.0.1", port, "bench")  # with /inference/v1/generate (refit_serving)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=os.path.dirname(HERE), env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 900
-    while proc.poll() is None and time.monotonic() < deadline:
-        with contextlib.suppress(requests.RequestException):
-            if requests.get(f"{url}/health", timeout=5).ok:
-                return proc, url
-        time.sleep(1)
-    kill_all([proc])
-    with open(log_path) as f:
-        raise RuntimeError(f"vllm serve did not come up (exit {proc.poll()}):\n{f.read()[-4000:]}")
+    # with /inference/v1/generate (refit_serving)
+    args = serve_arguments(model_dir, "127.0.0.1", free_ports(1)[0], "bench")
+    return Server(args, env=env, log=log_path, cwd=os.path.dirname(HERE)).wait()
 
 
 def served(args: argparse.Namespace, cfg: Any, model_dir: str, params: Any, want: list[list[int]],
@@ -216,7 +203,8 @@ def served(args: argparse.Namespace, cfg: Any, model_dir: str, params: Any, want
 
     log_path = os.path.join(model_dir, "serve.log")
     t0 = time.perf_counter()
-    proc, url = start_server(model_dir, log_path)
+    server = start_server(model_dir, log_path)
+    url = server.url
     try:
         print(f"\nvllm serve up in {time.perf_counter() - t0:.0f} s ({url})", flush=True)
         timed = TimedClient(HTTPClient(url))
@@ -251,7 +239,7 @@ def served(args: argparse.Namespace, cfg: Any, model_dir: str, params: Any, want
             print(f"--- vllm serve log\n{f.read()[-4000:]}")
         raise
     finally:
-        kill_all([proc])
+        server.close()
     http = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     print(f"\n{'seconds, medians of ' + str(args.reps):<34}{'sync':>6}{'control calls':>15}{'trainer send':>14}"
           f"{'workers commit':>16}{'the rest':>10}")

@@ -45,13 +45,19 @@ def engine_env() -> dict[str, str]:
     return env
 
 
+def serve_arguments(model_dir: Path | str, host: str, port: int, served: str) -> list[str]:
+    """``vllm serve``'s arguments for the saved tiny model: TP2, float32, token-id prompts, with the scale-out
+    routes (``/inference/v1/generate``, whose completions carry ``weight_versions``)."""
+    return [str(model_dir), "--host", host, "--port", str(port), "--served-model-name", served,
+            "--tensor-parallel-size", str(C.TP), "--dtype", "float32", "--enforce-eager", "--skip-tokenizer-init",
+            "--max-model-len", "256", "--distributed-executor-backend", "mp", "--uvicorn-log-level", "warning",
+            "--enable-scale-out"]
+
+
 def serve_command(model_dir: Path | str, host: str, port: int, served: str) -> list[str]:
-    """``python -m bridge.engines.vllm.serve`` on the saved tiny model: TP2, float32, token-id prompts, with the
-    scale-out routes (``/inference/v1/generate``, whose completions carry ``weight_versions``)."""
-    return [C.python(), "-m", "bridge.engines.vllm.serve", str(model_dir), "--host", host, "--port", str(port),
-            "--served-model-name", served, "--tensor-parallel-size", str(C.TP), "--dtype", "float32",
-            "--enforce-eager", "--skip-tokenizer-init", "--max-model-len", "256",
-            "--distributed-executor-backend", "mp", "--uvicorn-log-level", "warning", "--enable-scale-out"]
+    """``python -m bridge.engines.vllm.serve`` with ``serve_arguments``, for a server placed by the caller
+    (``bridge.engines.vllm.server.Server`` starts one here)."""
+    return [C.python(), "-m", "bridge.engines.vllm.serve", *serve_arguments(model_dir, host, port, served)]
 
 
 def stream_tokens(url: str, prompt: list[int], max_tokens: int) -> Iterator[dict]:

@@ -6,8 +6,11 @@ No engine: tests/vllm/test_serve_live.py runs a real server.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import metadata
 
@@ -16,7 +19,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("requests")
 
-from bridge.engines.vllm import serve  # noqa: E402
+from bridge.engines.vllm import serve, server  # noqa: E402
 from bridge.engines.vllm.http import HTTPClient  # noqa: E402
 from tests.vllm import _common as C  # noqa: E402
 
@@ -154,3 +157,60 @@ def test_http_client_without_pausing_and_its_errors(stand_in):
 def test_http_client_refuses(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
         HTTPClient(**kwargs)
+
+
+@pytest.mark.parametrize("args, url", [
+    (["/m", "--host", "127.0.0.1", "--port", "8123"], "http://127.0.0.1:8123"),
+    (["/m", "--host=10.0.0.2", "--port=9000"], "http://10.0.0.2:9000"),
+    (["/m", "--host", "0.0.0.0"], "http://127.0.0.1:8000"),
+    (["/m", "--host", "::1", "--port", "8001"], "http://[::1]:8001"),
+])
+def test_server_url_from_its_arguments(args, url, monkeypatch):
+    started, real = [], subprocess.Popen
+    monkeypatch.setattr(server.subprocess, "Popen",
+                        lambda *a, **k: started.append((a, k)) or real(["true"], start_new_session=True))
+    s = server.Server(args)
+    assert s.url == url
+    (argv,), kw = started[0]
+    assert argv[1:4] == ["-m", "bridge.engines.vllm.serve", "/m"] and kw["start_new_session"]
+    assert kw["env"]["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+@pytest.mark.parametrize("args, pattern", [
+    (["/m", "--port", "8000"], "must name the interface"),
+    (["/m", "--host", "127.0.0.1", "--port", "80x"], "--port '80x'"),
+    (["/m", "--host", "127.0.0.1", "--port"], "end with --port and no value"),
+])
+def test_server_refuses_bad_arguments_and_starts_nothing(args, pattern, monkeypatch):
+    monkeypatch.setattr(server.subprocess, "Popen", lambda *a, **k: pytest.fail("started a process"))
+    with pytest.raises(ValueError, match=pattern):
+        server.Server(args)
+
+
+@pytest.mark.slow
+def test_server_that_cannot_start_reports_its_log(tmp_path):
+    # A real vllm serve on a model folder that does not exist: it exits, and wait() says so with the log.
+    s = server.Server([str(tmp_path / "missing"), "--host", "127.0.0.1", "--port", "1"], log=tmp_path / "log")
+    with pytest.raises(RuntimeError, match=r"vllm serve exited with status [1-9].*the end of its log"):
+        s.wait(timeout=300)
+    assert s.close() not in (None, 0)
+
+
+def test_server_close_ends_its_whole_process_group(tmp_path, monkeypatch):
+    # A stand-in server (a shell and its child, both ignoring SIGTERM) in place of vllm serve: close()
+    # ends both, the child found by its process group.
+    script = "trap '' TERM; sleep 600 & echo $! > " + str(tmp_path / "child") + "; wait"
+    real = subprocess.Popen
+    monkeypatch.setattr(server.subprocess, "Popen", lambda argv, **kw: real(["sh", "-c", script], **kw))
+    monkeypatch.setattr(server, "_GRACE", 0.5)
+    s = server.Server(["/m", "--host", "127.0.0.1"])
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "child").exists() or not (tmp_path / "child").read_text().strip():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    child = int((tmp_path / "child").read_text())
+    assert s.close() == -signal.SIGKILL
+    with pytest.raises(ProcessLookupError):
+        for _ in range(100):  # the child is killed with the group; it is gone once its parent (init) reaps it
+            os.kill(child, 0)
+            time.sleep(0.05)

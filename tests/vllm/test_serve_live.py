@@ -16,9 +16,7 @@ weights changed, and each span equals ``transformers`` with that version's weigh
 from __future__ import annotations
 
 import contextlib
-import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +27,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("jax")
 requests = pytest.importorskip("requests")
 
+from bridge.engines.vllm.server import Server  # noqa: E402
 from tests._procs import free_ports, kill_all  # noqa: E402
 from tests.vllm import _common as C  # noqa: E402
 from tests.vllm._live import (  # noqa: E402
@@ -41,7 +40,7 @@ from tests.vllm._live import (  # noqa: E402
     generate,
     logs,
     oracle,
-    serve_command,
+    serve_arguments,
     start_trainers,
     stream_tokens,
     version,
@@ -58,35 +57,20 @@ def _log(base: Path) -> str:
     return (base / "server.log").read_text()[-8000:]
 
 
-def _wait_healthy(proc: subprocess.Popen, url: str, base: Path) -> None:
-    """Returns once ``/health`` answers 200; fails with the server's log if it exits or takes too long."""
-    deadline = time.monotonic() + ENGINE_START
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"vllm serve exited ({proc.returncode}):\n{_log(base)}")
-        with contextlib.suppress(requests.RequestException):
-            if requests.get(f"{url}/health", timeout=5).status_code == 200:
-                return
-        time.sleep(1)
-    pytest.fail(f"vllm serve did not answer /health within {ENGINE_START:g} s:\n{_log(base)}")
-
-
 @contextlib.contextmanager
 def vllm_serve(base: Path) -> Iterator[dict]:
     """``python -m bridge.engines.vllm.serve`` on a random tiny dense Qwen3, TP2 on 127.0.0.1."""
     model = write_model(base, "dense")
     (port,) = free_ports(1)
-    with open(base / "server.log", "w") as log:  # the child keeps its own descriptor
-        proc = subprocess.Popen(serve_command(base / "model", "127.0.0.1", port, SERVED), cwd=C.ROOT,
-                                env=engine_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        _wait_healthy(proc, url, base)
-        yield {"url": url, "served": SERVED, "client": "http", "address": ("127.0.0.1", port), "dir": base,
-               "model": base / "model", "kind": "dense", "proc": proc,
+    with Server(serve_arguments(base / "model", "127.0.0.1", port, SERVED), env=engine_env(),
+                log=base / "server.log", cwd=C.ROOT) as server:
+        try:
+            server.wait(ENGINE_START)
+        except (RuntimeError, TimeoutError) as e:
+            pytest.fail(str(e))
+        yield {"url": server.url, "served": SERVED, "client": "http", "address": ("127.0.0.1", port), "dir": base,
+               "model": base / "model", "kind": "dense", "proc": server.proc,
                "initial": C.hf_greedy(model, C.PROMPTS, C.MAX_TOKENS)}
-    finally:
-        kill_all([proc])
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ Only what is vLLM's lives here; the engine-generic sync is ``bridge.engines``'s.
 ``model`` (the engine params of a live vLLM model and how new weights enter it),
 ``client`` (``LLMClient``), ``http`` (``HTTPClient``: a ``vllm serve`` server over HTTP),
 ``serve`` (``python -m bridge.engines.vllm.serve``: ``vllm serve`` with this backend),
+``server`` (``Server``: that command as a child process, from Python),
 ``trainer`` (``VLLMWeightSync``: ``bridge.engines.trainer.TrainerSync`` driving vLLM's client;
 imports jax), ``plugin`` (the entry point), ``baselines`` (the bytes
 vLLM's own backends move, for comparisons). See docs/vllm.md.
