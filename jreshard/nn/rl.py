@@ -5,7 +5,11 @@ The rollouts come from elsewhere (an inference engine): ``G`` sampled completion
 its group, ``(r - mean) / (std + eps)``; the loss is the mean over completion tokens of
 ``-advantage * log pi(token)``. One step per batch of rollouts keeps it on-policy, so no ratio
 to the sampling policy and no clipping are needed (GRPO with a single update per batch, and
-without the KL term).
+without the KL term). Rollouts sampled while a refit was in flight are partly off-policy (their
+tokens come from the weights before the step, or from two versions); given the log-probabilities
+the engine sampled each token with (``behaviour``), each token's term is weighted by its
+truncated importance ratio ``min(pi / mu, max_ratio)``, held constant in the gradient, as
+IMPALA's V-trace and asynchronous RL stacks weight off-policy tokens.
 
 Example:
   >>> import numpy as np
@@ -48,27 +52,37 @@ def token_logprobs(config: LlamaConfig, params: Any, tokens: jax.Array) -> jax.A
 
 
 def policy_gradient_loss(config: LlamaConfig, params: Any, tokens: jax.Array, mask: jax.Array,
-                         advantages: jax.Array) -> jax.Array:
-    """Mean over the tokens ``mask`` marks of ``-advantage * log pi(token)``.
+                         advantages: jax.Array, behaviour: jax.Array | None = None,
+                         max_ratio: float = 2.0) -> jax.Array:
+    """Mean over the tokens ``mask`` marks of ``-w * advantage * log pi(token)``.
 
     Args:
       tokens: ``[batch, seq]`` prompt and completion, one row per rollout.
       mask: ``[batch, seq - 1]``, 1 where ``tokens[:, 1:]`` is a completion token (0 on the prompt).
       advantages: ``[batch]``, one per rollout (``group_advantages(...).ravel()``).
+      behaviour: ``[batch, seq - 1]``, the log-probability each token had under the policy that
+        sampled it (the engine's; any value where ``mask`` is 0), or None for on-policy rollouts.
+      max_ratio: the cap of the importance weight ``w = min(exp(log pi - behaviour), max_ratio)``
+        (no gradient flows through ``w``); ``w = 1`` without ``behaviour``.
     """
     logp = token_logprobs(config, params, tokens)
     mask = mask.astype(jnp.float32)
-    return -jnp.sum(logp * mask * advantages[:, None]) / jnp.maximum(jnp.sum(mask), 1.0)
+    weight = advantages[:, None]
+    if behaviour is not None:
+        weight = weight * jnp.minimum(jnp.exp(jax.lax.stop_gradient(logp) - behaviour), max_ratio)
+    return -jnp.sum(logp * mask * weight) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
 def policy_gradient_step(config: LlamaConfig, optimizer: Any, params: Any, opt_state: Any, tokens: jax.Array,
-                         mask: jax.Array, advantages: jax.Array):
+                         mask: jax.Array, advantages: jax.Array, behaviour: jax.Array | None = None,
+                         max_ratio: float = 2.0):
     """One optimiser step on ``policy_gradient_loss``; returns ``(params, opt_state, loss)``.
 
     Wrap in ``jax.jit`` with ``config`` and ``optimizer`` static, as ``train_step``.
     """
     import optax
 
-    value, grads = jax.value_and_grad(lambda p: policy_gradient_loss(config, p, tokens, mask, advantages))(params)
+    value, grads = jax.value_and_grad(
+        lambda p: policy_gradient_loss(config, p, tokens, mask, advantages, behaviour, max_ratio))(params)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, value
