@@ -341,6 +341,10 @@ ERRORS = [
      ValueError, r"rewards\[0\] must be finite"),
     ("loop-steps", lambda: viz.draw_rl_loop([0.1, 0.2], {"train": [1]}),
      ValueError, r"seconds_by_phase\['train'\] has 1 values but rewards has 2"),
+    ("loop-during-clash", lambda: viz.draw_rl_loop([0.1], {"train": [1]}, during={"train": [1]}),
+     ValueError, r"during names \['train'\], which seconds_by_phase stacks already"),
+    ("loop-during-steps", lambda: viz.draw_rl_loop([0.1], {"train": [1]}, during={"pause": [1, 2]}),
+     ValueError, r"during"),
     ("loop-negative-seconds", lambda: viz.draw_rl_loop([0.1], {"train": [-1]}),
      ValueError, r"seconds_by_phase\['train\[0\]'\] must be finite and non-negative"),
 ]
@@ -375,6 +379,23 @@ def test_draw_rl_loop_stacks_each_phase_on_the_ones_before():
         assert (bars[f"seconds:generate:{i}"].get_y(), bars[f"seconds:generate:{i}"].get_height()) == (0.0, g)
         assert (bars[f"seconds:train:{i}"].get_y(), bars[f"seconds:train:{i}"].get_height()) == (g, t)
     assert fig.texts[0].get_text() == "t"
+
+
+def test_draw_rl_loop_draws_overlapped_phases_beside_the_stack():
+    fig = viz.draw_rl_loop([0.1, 0.2], {"generate": [1.0, 2.0], "train": [0.5, 0.5]},
+                           during={"transfer": [0.8, 0.3], "pause": [0.1, 0.05]})
+    bars = {p.get_gid(): p for p in fig.axes[1].patches}
+    assert len(bars) == 8
+    for i, (t, p) in enumerate([(0.8, 0.1), (0.3, 0.05)]):
+        stack, transfer, pause = bars[f"seconds:train:{i}"], bars[f"seconds:transfer:{i}"], bars[f"seconds:pause:{i}"]
+        assert (transfer.get_y(), transfer.get_height(), pause.get_y(), pause.get_height()) == (0.0, t, 0.0, p)
+        # side by side within the step's slot: the stack, then each overlapped phase
+        assert i - 0.4 == pytest.approx(stack.get_x())
+        assert stack.get_x() + stack.get_width() == pytest.approx(transfer.get_x())
+        assert transfer.get_x() + transfer.get_width() == pytest.approx(pause.get_x())
+        assert pause.get_x() + pause.get_width() == pytest.approx(i + 0.4)
+    assert [t.get_text() for t in fig.axes[1].get_legend().get_texts()] == [
+        "generate", "train", "transfer (overlapped)", "pause (overlapped)"]
 
 
 def test_every_public_name_is_served_by_the_package():

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 
 import matplotlib
 import numpy as np
+from matplotlib.container import BarContainer
 from matplotlib.figure import Figure
 
 from jreshard.viz.common import new_figure
@@ -24,23 +25,27 @@ __all__ = ["draw_rl_loop"]
 
 
 def draw_rl_loop(rewards: Sequence[float], seconds_by_phase: Mapping[str, Sequence[float]], *,
-                 title: str | None = None) -> Figure:
+                 during: Mapping[str, Sequence[float]] | None = None, title: str | None = None) -> Figure:
     """Two panels: the mean reward of each step's rollouts, and each step's seconds stacked by phase.
 
     Args:
       rewards: one mean reward per step.
       seconds_by_phase: phase name (``"generate"``, ``"train"``, ``"transfer"``, ...) -> seconds per step,
-        one value per step; phases stack in the mapping's order.
+        one value per step; phases stack in the mapping's order (the step's wall time).
+      during: phases that ran at the same time as the stacked ones (a refit while the engine
+        generates, its pause), each drawn as a narrow bar of its own beside each step's stack,
+        labelled "(overlapped)"; the same form as ``seconds_by_phase``.
       title: the figure title.
 
     Returns:
       The matplotlib Figure; the reward line has the gid ``'reward'``, each bar
-      ``'seconds:<phase>:<step>'``.
+      ``'seconds:<phase>:<step>'`` (the ``during`` phases' too).
 
     Raises:
       TypeError: ``rewards`` holds non-numbers or ``seconds_by_phase`` is not a mapping of sequences.
       ValueError: no steps, a reward is not finite, a phase has a different number of steps, or a
-        phase's seconds are negative or not finite (rewards may be negative).
+        phase's seconds are negative or not finite (rewards may be negative), or a ``during``
+        phase has a stacked phase's name.
     """
     reward = _check_rewards(rewards)
     steps = np.arange(len(reward))
@@ -51,12 +56,22 @@ def draw_rl_loop(rewards: Sequence[float], seconds_by_phase: Mapping[str, Sequen
     left.set_xlabel("step")
     left.set_title("mean reward of the step's rollouts", fontsize=9)
     left.grid(True, alpha=0.3)
+    beside = {} if during is None else _check_series(during, len(reward), "during", against="rewards")
+    if clash := sorted(set(beside) & set(phases)):
+        raise ValueError(f"during names {clash}, which seconds_by_phase stacks already; give them other names.")
+    width = 0.8 if not beside else 0.55
     bottom = np.zeros(len(rewards))
     for i, (phase, ys) in enumerate(phases.items()):
-        bars = right.bar(steps, ys, bottom=bottom, label=phase, color=matplotlib.colormaps["tab10"](i % 10))
-        for step, bar in enumerate(bars):
-            bar.set_gid(f"seconds:{phase}:{step}")
+        bars = right.bar(steps - (0.8 - width) / 2, ys, width, bottom=bottom, label=phase,
+                         color=matplotlib.colormaps["tab10"](i % 10))
+        _name_bars(bars, phase)
         bottom += np.asarray(ys)
+    narrow = (0.8 - width) / max(1, len(beside))
+    for j, (phase, ys) in enumerate(beside.items()):
+        bars = right.bar(steps - 0.4 + width + (j + 0.5) * narrow, ys, narrow,
+                         label=f"{phase} (overlapped)", color=matplotlib.colormaps["tab10"]((len(phases) + j) % 10),
+                         alpha=0.8)
+        _name_bars(bars, phase)
     right.set_xlabel("step")
     right.set_ylabel("seconds")
     right.set_title("where each step's time went", fontsize=9)
@@ -65,6 +80,11 @@ def draw_rl_loop(rewards: Sequence[float], seconds_by_phase: Mapping[str, Sequen
     if title is not None:
         fig.suptitle(title, fontsize=10)
     return fig
+
+
+def _name_bars(bars: BarContainer, phase: str) -> None:
+    for step, bar in enumerate(bars):
+        bar.set_gid(f"seconds:{phase}:{step}")
 
 
 def _check_rewards(rewards: object) -> list[float]:
