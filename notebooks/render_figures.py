@@ -92,9 +92,11 @@ def rl_loop() -> Figure:
     import json
 
     run = json.loads((ROOT / "docs" / "data" / "05_rl_loop.json").read_text())
-    return viz.draw_rl_loop(run["reward"], {k: run[k] for k in ("generate", "train", "transfer")},
-                            title="llama-tiny (Qwen3): policy-gradient steps, vLLM rollouts, "
-                                  "a jreshard refit after each")
+    return viz.draw_rl_loop(run["reward"], {"generate": run["generate"], "waiting for the refit": run["wait"],
+                                            "train": run["train"]},
+                            during={"refit": run["transfer"], "pause": run["pause"]},
+                            title="llama-tiny (Qwen3): policy-gradient steps, vllm serve rollouts, "
+                                  "a jreshard refit in flight after each")
 
 
 FIGURES: dict[str, Callable[[], Figure]] = {
