@@ -87,8 +87,11 @@ _CHILD = ("import resource, sys\nfrom jreshard.__main__ import main\nrc = main(s
           "print(jreshard.__file__, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n"
           "sys.exit(rc)")
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FLAG_CASES = {"kimi-k2 fsdp=256 -> tp=8,dp=16 (flags)": ["--model", "kimi-k2", "--train", "fsdp=256", "--infer",
-                                                         "tp=8,dp=16", "--hardware", "gb200-nvl72"]}
+# FSDP-only trainers (the JAX way), the frontier models at the scale of their scenarios (512 -> 256).
+FLAG_CASES = {f"{model} fsdp={n} -> tp=8,dp={n // 16} (flags)": ["--model", model, "--train", f"fsdp={n}", "--infer",
+                                                                  f"tp=8,dp={n // 16}", "--hardware", "gb200-nvl72"]
+              for model, n in (("kimi-k2", 256), ("kimi-k3-hypothetical", 512),
+                               ("qwen3.8-2.4t-a95b-hypothetical", 512))}
 
 
 def _argv(tree: str, case: str, tmp: str) -> list[str]:
@@ -130,14 +133,15 @@ def wall_table(cases: list[str], before: str | None, reps: int) -> None:
                 for label, tree in trees.items():
                     wall, rss, ran[label] = _once(tree, _argv(tree, case, tmp))
                     runs.setdefault((label, case), []).append((wall, rss))
+    width = max(44, *map(len, cases))
     print(f"\n`jreshard plan` wall time, process start to exit (median of {reps}, runs alternating); "
           f"peak RSS;\n" + "".join(f"  {label}: {where}\n" for label, where in ran.items()) +
-          f"{'scenario':<44} {'now s':>7} {'before s':>9} {'x faster':>8} {'now MB':>7} {'before MB':>9}")
+          f"{'scenario':<{width}} {'now s':>7} {'before s':>9} {'x faster':>8} {'now MB':>7} {'before MB':>9}")
     for case in cases:
         now = runs[("now", case)]
         old = runs.get(("before", case))
         med = statistics.median(w for w, _ in now)
-        row = f"{case:<44} {med:>7.2f} "
+        row = f"{case:<{width}} {med:>7.2f} "
         if old:
             old_med = statistics.median(w for w, _ in old)
             row += f"{old_med:>9.2f} {old_med / med:>8.1f} "
