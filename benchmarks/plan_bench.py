@@ -1,9 +1,15 @@
 """Planner speed: synthetic 10,000-tensor pytrees (256 -> 128 devices) cold and cached, and
 single tensors on growing meshes up to 1,024 -> 512 devices.
 
-Run: ``.venv/bin/python benchmarks/plan_bench.py`` (one core: ``OMP_NUM_THREADS=1``).
-Cold means after ``jreshard.clear_cache()``; the first cold run of a process also pays
-for fresh memory, so both the first and the best of three are printed.
+Run: ``.venv/bin/python benchmarks/plan_bench.py [--before DIR] [--reps N]`` (one core:
+``OMP_NUM_THREADS=1``). Cold means after ``jreshard.clear_cache()``; the first cold run of a
+process also pays for fresh memory, so both the first and the best of three are printed.
+
+``--before DIR`` (a git worktree of an earlier commit) times the two pytrees in fresh
+interpreters, ``--reps`` times each, alternating between this tree and DIR (each first on
+``PYTHONPATH``), and prints the medians side by side: first cold plan in the process, best
+of three, and peak RSS. On a virtual machine the first plan's fresh memory costs vary from
+run to run (the host may back the guest's pages lazily), which is why it is a median.
 """
 
 from __future__ import annotations
@@ -12,7 +18,11 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import json  # noqa: E402
 import platform  # noqa: E402
+import resource  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
@@ -96,10 +106,48 @@ def big_tensor(n_src: int) -> tuple[Layout, Layout]:
     return src, dst
 
 
-def main() -> None:
+KINDS = (("megatron", "Megatron TP8 x DP32 -> TP8 x DP16 (replica balancing)"),
+         ("fsdp", "FSDP32 x TP8 -> TP8 x DP16 (32 pieces per shard)"))
+
+
+def child(kind: str) -> None:
+    """One fresh interpreter's figures for the ``kind`` pytree, as a JSON line: first cold, best of 3, RSS."""
+    src, dst = synthetic_tree(kind)
+    first, _ = timed(lambda: cold(src, dst))
+    best, _ = timed(lambda: cold(src, dst), repeat=3)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"first": first, "best": best, "rss_mb": rss, "jreshard": os.path.dirname(jreshard.__file__)}))
+
+
+def side_by_side(before: str, reps: int) -> None:
+    """Medians of ``reps`` fresh interpreters per pytree, this tree and ``before`` alternating."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    trees = {"now": here, "before": os.path.abspath(before)}
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for _ in range(reps):
+        for kind, _label in KINDS:
+            for name, tree in trees.items():
+                env = {**os.environ, "PYTHONPATH": tree}
+                done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", kind], env=env,
+                                      cwd=tree, capture_output=True, text=True, timeout=600, check=True)
+                runs.setdefault((name, kind), []).append(json.loads(done.stdout.strip().splitlines()[-1]))
+    print(f"\nside by side: medians of {reps} fresh interpreters each, alternating; "
+          + ", ".join(f"{n}: {runs[(n, KINDS[0][0])][0]['jreshard']}" for n in trees))
+    print(f"  {'pytree':<56} {'first ms':>9} {'before':>9} {'best ms':>8} {'before':>8} {'RSS MB':>7} {'before':>7}")
+    def med(rs: list[dict], k: str) -> float:
+        return statistics.median(r[k] for r in rs)
+
+    for kind, label in KINDS:
+        now, old = runs[("now", kind)], runs[("before", kind)]
+        print(f"  {label:<56} {med(now, 'first') * 1e3:>9.1f} {med(old, 'first') * 1e3:>9.1f} "
+              f"{med(now, 'best') * 1e3:>8.1f} {med(old, 'best') * 1e3:>8.1f} {med(now, 'rss_mb'):>7.0f} "
+              f"{med(old, 'rss_mb'):>7.0f}")
+    print("goal: the FSDP32 x TP8 pytree <= 1 s cold")
+
+
+def main(before: str | None = None, reps: int = 5) -> None:
     print(banner("jreshard planner benchmark"))
-    for kind, label in (("megatron", "Megatron TP8 x DP32 -> TP8 x DP16 (replica balancing)"),
-                        ("fsdp", "FSDP32 x TP8 -> TP8 x DP16 (32 pieces per shard)")):
+    for kind, label in KINDS:
         src, dst = synthetic_tree(kind)
         first, p = timed(lambda src=src, dst=dst: cold(src, dst))
         best, p = timed(lambda src=src, dst=dst: cold(src, dst), repeat=3)
@@ -121,7 +169,19 @@ def main() -> None:
         assert st.network_bytes == st.lower_bound_bytes
         print(f"  {n:>5} -> {n // 2:<4}  {st.moves:>9,}  {t * 1e3:>9.1f}  {t * 1e6 / (n + n // 2):>13.1f}  "
               f"{t * 1e9 / st.moves:>11.0f}")
+    if before:
+        side_by_side(before, reps)
 
 
 if __name__ == "__main__":
-    main()
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--before", help="a tree of an earlier commit (git worktree) to time the pytrees beside")
+    ap.add_argument("--reps", type=int, default=5, help="fresh interpreters per pytree and tree (with --before)")
+    ap.add_argument("--child", choices=[k for k, _ in KINDS], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args.child)
+    else:
+        main(args.before, args.reps)

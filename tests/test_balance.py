@@ -68,8 +68,7 @@ def _rows(rng, n_classes: int, sizes, devices: int, big: bool):
     for c in range(n_classes):
         k = int(rng.integers(1, 5))
         classes[c, :k] = np.sort(rng.choice(devices, k, replace=False))
-    rows = _Rows(block=np.zeros(n, np.int64), brow=np.arange(n), cls=inverse, nbytes=nbytes,
-                 chosen=np.full(n, -1, np.int64))
+    rows = _Rows(cls=inverse, nbytes=nbytes, chosen=np.full(n, -1, np.int64), starts=np.array([0, n]))
     return rows, classes, receivers
 
 
@@ -98,10 +97,10 @@ def test_greedy_with_and_without_the_fill_agree(seed, monkeypatch):
     rng = np.random.default_rng(seed)
     big, classes, receivers = _rows(rng, 5, (256.0, 688.0, 8192.0)[: 1 + seed % 3], 8, True)
     small, small_classes, small_receivers = _rows(rng, 3, (64.0, 100.0), 8, False)
-    rows = _Rows(block=np.concatenate([big.block, small.block]), brow=np.concatenate([big.brow, small.brow]),
-                 cls=np.concatenate([big.cls, small.cls + len(classes)]),
+    n = len(big.cls) + len(small.cls)
+    rows = _Rows(cls=np.concatenate([big.cls, small.cls + len(classes)]),
                  nbytes=np.concatenate([big.nbytes, small.nbytes]),
-                 chosen=np.full(len(big.cls) + len(small.cls), -1, np.int64))
+                 chosen=np.full(n, -1, np.int64), starts=np.array([0, len(big.cls), n]))
     classes, receivers = np.concatenate([classes, small_classes]), np.concatenate([receivers, small_receivers])
     load = rng.integers(0, 10**7, 8).astype(np.float64)
     assert Fill.of(rows.cls, receivers, rows.nbytes, len(classes)) is not None
@@ -116,4 +115,25 @@ def test_greedy_with_and_without_the_fill_agree(seed, monkeypatch):
 
 
 def dataclass_copy(rows: _Rows) -> _Rows:
-    return _Rows(rows.block.copy(), rows.brow.copy(), rows.cls.copy(), rows.nbytes.copy(), rows.chosen.copy())
+    return _Rows(rows.cls.copy(), rows.nbytes.copy(), rows.chosen.copy(), rows.starts.copy())
+
+
+@pytest.mark.parametrize("runs", [True, False])
+def test_sizes_and_ranks_whether_rows_come_in_runs_or_not(runs):
+    """The distinct sizes (largest first) and every row's rank among them, as ``np.unique`` gives them, read
+    off long runs of one size or off rows of mixed sizes; more than ``MOST_SIZES`` sizes give ``None``."""
+    from jreshard.core.water import MOST_SIZES, _sizes
+
+    rng = np.random.default_rng(5)
+    values = np.array([256.0, 688.0, 8192.0, 96.0, 4096.0])
+    if runs:  # a group's rows: each tensor's overlaps, tensor after tensor
+        nbytes = np.repeat(values[rng.integers(0, len(values), 40)], rng.integers(100, 400, 40))
+    else:
+        nbytes = values[rng.integers(0, len(values), 5000)]
+    sizes, rank = _sizes(nbytes)
+    want = np.unique(nbytes)[::-1]
+    np.testing.assert_array_equal(sizes, want)
+    np.testing.assert_array_equal(sizes[rank], nbytes)
+    many = np.arange(1.0, MOST_SIZES + 2)
+    assert _sizes(np.repeat(many, 1000) if runs else np.tile(many, 1000)) is None
+    assert _sizes(np.repeat(many[:MOST_SIZES], 1000) if runs else np.tile(many[:MOST_SIZES], 1000)) is not None

@@ -46,22 +46,29 @@ class Split(NamedTuple):
 
 @dataclasses.dataclass(slots=True)
 class _Rows:
-    """All choice rows of all groups in one table; grows when the refinement splits a row."""
+    """All choice rows of all groups in one table, the Choices' rows in turn; grows when the refinement
+    splits a row."""
 
-    block: np.ndarray  # [N] the Choice a row comes from
-    brow: np.ndarray  # [N] row within that Choice
     cls: np.ndarray  # [N] dense candidate set (into the class table)
     nbytes: np.ndarray  # [N] float64
     chosen: np.ndarray  # [N] dense sender index
+    starts: np.ndarray  # [Choices + 1] the first row of each Choice, then the original rows' count
+    parent: dict[int, int] = dataclasses.field(default_factory=dict)  # split-off row -> original row
+
+    def origin(self, r: int) -> tuple[int, int]:
+        """The Choice row ``r`` comes from (its original row's, for a split-off part) and its row there."""
+        r = self.parent.get(r, r)
+        b = int(np.searchsorted(self.starts, r, side="right")) - 1
+        return b, r - int(self.starts[b])
 
     def grow(self, extra: int) -> None:
-        for f in dataclasses.fields(self):
-            a = getattr(self, f.name)
-            setattr(self, f.name, np.concatenate([a, np.zeros(extra, a.dtype)]))
+        for name in ("cls", "nbytes", "chosen"):
+            a = getattr(self, name)
+            setattr(self, name, np.concatenate([a, np.zeros(extra, a.dtype)]))
 
     def truncate(self, n: int) -> None:
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, getattr(self, f.name)[:n])
+        for name in ("cls", "nbytes", "chosen"):
+            setattr(self, name, getattr(self, name)[:n])
 
 
 def _unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -99,36 +106,36 @@ def balance_senders(choices: list[Choice], fixed_src: np.ndarray, fixed_bytes: n
     # Candidate sets (dense sender ids, padded with -1) live in a small table of
     # classes that rows point into.
     width = max(c.table.shape[1] for c in choices)
-    tables, offset, cls = [], 0, []
+    tables, offsets = [], np.cumsum([0] + [len(c.table) for c in choices[:-1]]).tolist()
     for c in choices:
         dense = np.searchsorted(all_ids, np.sort(c.table, axis=1))
         pad = np.full((len(c.table), width), -1, np.int64)
         pad[:, : dense.shape[1]] = dense
         tables.append(pad)
-        cls.append(c.cls + offset)
-        offset += len(c.table)
     classes, table_class = _unique_rows(np.concatenate(tables))
-    rows = _Rows(
-        block=np.concatenate([np.full(len(c.rows), b) for b, c in enumerate(choices)]),
-        brow=np.concatenate([np.arange(len(c.rows)) for c in choices]),
-        cls=table_class[np.concatenate(cls)],
-        nbytes=np.concatenate([c.nbytes.astype(np.float64) for c in choices]),
-        chosen=np.empty(sum(len(c.rows) for c in choices), np.int64),
-    )
-    receivers = np.concatenate([c.receivers for c in choices])
+    starts = np.concatenate([[0], np.cumsum([len(c.rows) for c in choices])])
+    n_orig = int(starts[-1])
+    # Each row array written Choice by Choice into one allocation (the rows of a frontier plan are many).
+    rows = _Rows(cls=np.empty(n_orig, np.int64), nbytes=np.empty(n_orig, np.float64),
+                 chosen=np.empty(n_orig, np.int64), starts=starts)
+    receivers = choices[0].receivers if len(choices) == 1 else np.empty(n_orig, np.int64)
+    for c, off, a, z in zip(choices, offsets, starts[:-1].tolist(), starts[1:].tolist(), strict=True):
+        rows.cls[a:z] = table_class[c.cls + off]
+        rows.nbytes[a:z] = c.nbytes
+        if len(choices) > 1:
+            receivers[a:z] = c.receivers
     _greedy(rows, classes, receivers, load, balance)
 
     splits: dict[int, list[Split]] = {}
-    n_orig = len(rows.block)
     if balance:
         boxes = _refine(choices, rows, classes, load)
         # Shrunk original rows keep their sender; split-off rows are new rows.
         for r, (lo, hi) in boxes.items():
-            c = choices[int(rows.block[r])]
+            b, brow = rows.origin(r)
+            c = choices[b]
             splits.setdefault(c.group, []).append(
-                Split(int(c.rows[rows.brow[r]]), lo, hi, int(all_ids[rows.chosen[r]]), r >= n_orig))
-    ends = np.cumsum([len(c.rows) for c in choices])  # the rows are the choices' in turn
-    assigned = [all_ids[rows.chosen[end - len(c.rows):end]] for c, end in zip(choices, ends.tolist(), strict=True)]
+                Split(int(c.rows[brow]), lo, hi, int(all_ids[rows.chosen[r]]), r >= n_orig))
+    assigned = [all_ids[rows.chosen[a:z]] for a, z in zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True)]
     return assigned, splits
 
 
@@ -202,7 +209,7 @@ def _refine(choices: list[Choice], rows: _Rows, classes: np.ndarray, load: np.nd
     split: row -> (lo, hi); rows past the original table are the split-off parts.
     """
     rounds = max_rounds if max_rounds is not None else 4 * len(load) + 16
-    n = n_orig = len(rows.block)
+    n = n_orig = len(rows.cls)
     boxes: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def least_loaded_alternative(dev: int):
@@ -251,8 +258,9 @@ def _refine(choices: list[Choice], rows: _Rows, classes: np.ndarray, load: np.nd
         if r in boxes:
             lo, hi = boxes[r]
         else:
-            c = choices[int(rows.block[r])]
-            m = int(c.rows[rows.brow[r]]) % len(c.overlaps.dst_pos)
+            b, brow = rows.origin(r)
+            c = choices[b]
+            m = int(c.rows[brow]) % len(c.overlaps.dst_pos)
             lo, hi = c.overlaps.lo[m], c.overlaps.hi[m]
         ext = hi - lo
         if not len(ext):
@@ -270,7 +278,7 @@ def _refine(choices: list[Choice], rows: _Rows, classes: np.ndarray, load: np.nd
         boxes[n] = (cut_lo, hi.copy())
         if n == n_orig:
             rows.grow(rounds)  # room for split-off rows (at most one per round)
-        rows.block[n], rows.brow[n], rows.cls[n] = rows.block[r], rows.brow[r], rows.cls[r]
+        rows.parent[n], rows.cls[n] = rows.parent.get(r, r), rows.cls[r]
         rows.nbytes[n], rows.chosen[n] = per_row * k, best
         rows.nbytes[r] -= per_row * k
         load[top] -= per_row * k

@@ -232,19 +232,29 @@ def _choice(gi: int, stage: _Stage, key: GroupKey) -> Choice | None:
     M, R = len(p.dst_pos), groups.shape[1]
     if R == 1 or not M:
         return None
-    free = ~stage.local_c[inv].ravel()
-    if not free.any():
-        return None
-    rows = np.nonzero(free)[0]
-    tensor, overlap = np.divmod(rows, M)
-    combo = inv[tensor]
+    n_shards, T = len(groups), len(inv)
     # A row's candidates depend only on its mesh pair and source shard: keep one table
     # of candidate sets and a class per row, not [rows, R] candidates.
-    n_shards = len(groups)
-    uniq, cls = _unique_small(combo * n_shards + p.src_shard[overlap], len(stage.src_ids) * n_shards)
+    if not stage.local_c.any():  # every row free: per-row arrays tiled from [pairs, overlaps] tables
+        pair_key = np.arange(len(stage.src_ids))[:, None] * n_shards + p.src_shard[None, :]  # [C, M]
+        uniq, pair_cls = _unique_small(pair_key.ravel(), len(stage.src_ids) * n_shards)
+        rows = np.arange(T * M)
+        cls = pair_cls.reshape(pair_key.shape)[inv].ravel()
+        nbytes = (stage.itemsize[:, None] * p.vol[None, :]).ravel()
+        receivers = stage.pdst_c[inv].ravel()
+    else:
+        free = ~stage.local_c[inv].ravel()
+        if not free.any():
+            return None
+        rows = np.nonzero(free)[0]
+        tensor, overlap = np.divmod(rows, M)
+        combo = inv[tensor]
+        uniq, cls = _unique_small(combo * n_shards + p.src_shard[overlap], len(stage.src_ids) * n_shards)
+        cls = cls.ravel()
+        nbytes = p.vol[overlap] * stage.itemsize[tensor]
+        receivers = stage.pdst_c[combo, overlap]
     table = stage.src_ids[(uniq // n_shards)[:, None], groups[uniq % n_shards]]
-    nbytes = p.vol[overlap] * stage.itemsize[tensor]
-    return Choice(gi, rows, table, cls.ravel(), nbytes, stage.pdst_c[combo, overlap], p)
+    return Choice(gi, rows, table, cls, nbytes, receivers, p)
 
 
 def _add_fixed_load(stage: _Stage, fixed_load: dict[int, float]) -> None:

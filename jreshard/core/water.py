@@ -38,17 +38,31 @@ def water_ends(have: np.ndarray, total: float) -> np.ndarray:
     return np.cumsum(np.maximum(level - have, 0.0))
 
 
-def _sizes(nbytes: np.ndarray) -> np.ndarray | None:
-    """The distinct row sizes, largest first; ``None`` past ``MOST_SIZES``."""
-    sizes: list[float] = []
-    rest = nbytes
-    while len(sizes) < MOST_SIZES:
-        top = float(rest.max())
-        if top == -np.inf:
-            return np.array(sizes)
-        sizes.append(top)
-        rest = np.where(rest == top, -np.inf, rest)
-    return np.array(sizes) if float(rest.max()) == -np.inf else None
+def _sizes(nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """The distinct row sizes, largest first, and each row's rank among them (0 for the largest);
+    ``None`` past ``MOST_SIZES``.
+
+    Rows come in long runs of one size (a group's rows tile its tensors), so the sizes are read off
+    the runs' first rows and the ranks written run by run: a few passes over the rows, not one per size.
+    """
+    starts = np.flatnonzero(nbytes[1:] != nbytes[:-1]) + 1
+    if len(starts) > len(nbytes) // 16:  # short runs: size after size, over the rows themselves
+        found: list[float] = []
+        rest = nbytes
+        while float(rest.max()) != -np.inf:
+            if len(found) == MOST_SIZES:
+                return None
+            found.append(float(rest.max()))
+            rest = np.where(rest == found[-1], -np.inf, rest)
+        sizes = np.array(found)
+        return sizes, np.searchsorted(-sizes, -nbytes)
+    starts = np.concatenate([[0], starts])
+    first = nbytes[starts]
+    sizes = np.unique(first)[::-1]
+    if len(sizes) > MOST_SIZES:
+        return None
+    rank_of_run = np.searchsorted(-sizes, -first)
+    return sizes, np.repeat(rank_of_run, np.diff(np.concatenate([starts, [len(nbytes)]])))
 
 
 class Fill:
@@ -73,11 +87,16 @@ class Fill:
         span = int(receivers.max()) - low + 1
         if n_classes * span * MOST_SIZES > MOST_BLOCKS:
             return None
-        sizes = _sizes(nbytes)
-        if sizes is None:
+        found = _sizes(nbytes)
+        if found is None:
             return None
-        rank = np.searchsorted(-sizes, -nbytes)  # 0 for the largest size
-        key = (inverse * span + (receivers - low)) * len(sizes) + rank
+        sizes, rank = found
+        # (class, receiver, size) of every row, in place: each temporary is as long as the rows.
+        key = inverse * span
+        key += receivers
+        key -= low
+        key *= len(sizes)
+        key += rank
         return cls(key, (n_classes, span, len(sizes)), sizes)
 
     def takes(self, c: int, R: int) -> bool:
@@ -104,7 +123,7 @@ class Fill:
         """Writes the member of every row of the classes levelled into ``chosen``."""
         table = self.table.ravel()
         if self.taken.all():
-            chosen[:] = table[self.key]
+            np.take(table, self.key, out=chosen)  # no temporary as long as the rows
         elif self.taken.any():
             rows = np.flatnonzero(self.taken[self.key // self.span_s])
             chosen[rows] = table[self.key[rows]]
