@@ -61,13 +61,15 @@ class _Rows:
         b = int(np.searchsorted(self.starts, r, side="right")) - 1
         return b, r - int(self.starts[b])
 
+    PER_ROW = ("cls", "nbytes", "chosen")
+
     def grow(self, extra: int) -> None:
-        for name in ("cls", "nbytes", "chosen"):
+        for name in self.PER_ROW:
             a = getattr(self, name)
             setattr(self, name, np.concatenate([a, np.zeros(extra, a.dtype)]))
 
     def truncate(self, n: int) -> None:
-        for name in ("cls", "nbytes", "chosen"):
+        for name in self.PER_ROW:
             setattr(self, name, getattr(self, name)[:n])
 
 
@@ -118,12 +120,10 @@ def balance_senders(choices: list[Choice], fixed_src: np.ndarray, fixed_bytes: n
     # Each row array written Choice by Choice into one allocation (the rows of a frontier plan are many).
     rows = _Rows(cls=np.empty(n_orig, np.int64), nbytes=np.empty(n_orig, np.float64),
                  chosen=np.empty(n_orig, np.int64), starts=starts)
-    receivers = choices[0].receivers if len(choices) == 1 else np.empty(n_orig, np.int64)
     for c, off, a, z in zip(choices, offsets, starts[:-1].tolist(), starts[1:].tolist(), strict=True):
         rows.cls[a:z] = table_class[c.cls + off]
         rows.nbytes[a:z] = c.nbytes
-        if len(choices) > 1:
-            receivers[a:z] = c.receivers
+    receivers = choices[0].receivers if len(choices) == 1 else np.concatenate([c.receivers for c in choices])
     _greedy(rows, classes, receivers, load, balance)
 
     splits: dict[int, list[Split]] = {}
