@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 PROMPTS = [[1, 2, 3, 4], [17, 400, 9], [5, 6, 7], [499, 0, 311]]
-TOKENS = 200  # per prompt and request (the server's --max-model-len is 256)
+TOKENS = 200  # per prompt and request
 
 
 class Load:

@@ -22,6 +22,7 @@ TRAINERS = 2  # JAX processes, 2 simulated devices each, FSDP over 4
 TP = 2  # vLLM workers
 PROMPTS = [[1, 2, 3, 4, 5], [17, 400, 9], [499, 0, 311, 37, 8, 61]]  # below both vocabularies
 MAX_TOKENS = 8
+MAX_POSITIONS = 4096  # the tiny models' context (vllm serve's --max-model-len)
 # Fills one KV block of the CPU backend (128 tokens), which vLLM's prefix cache then keeps: after a sync the
 # engine must not reuse it, since it holds keys and values computed with the previous weights.
 LONG_PROMPT = [(7 * i + 3) % 499 for i in range(160)]
@@ -109,7 +110,7 @@ def hf_model(cfg: LlamaConfig, state: dict[str, np.ndarray] | None = None, seed:
     torch.manual_seed(seed)
     moe = isinstance(cfg, MoeConfig)
     conf_cls = transformers.Qwen3MoeConfig if moe else transformers.Qwen3Config
-    conf = conf_cls(**cfg.hf_kwargs(), initializer_range=0.1, max_position_embeddings=256,
+    conf = conf_cls(**cfg.hf_kwargs(), initializer_range=0.1, max_position_embeddings=MAX_POSITIONS,
                     attn_implementation="eager")
     model = (transformers.Qwen3MoeForCausalLM if moe else transformers.Qwen3ForCausalLM)(conf).eval()
     if state is not None:

@@ -50,7 +50,8 @@ def serve_arguments(model_dir: Path | str, host: str, port: int, served: str) ->
     routes (``/inference/v1/generate``, whose completions carry ``weight_versions``)."""
     return [str(model_dir), "--host", host, "--port", str(port), "--served-model-name", served,
             "--tensor-parallel-size", str(C.TP), "--dtype", "float32", "--enforce-eager", "--skip-tokenizer-init",
-            "--max-model-len", "256", "--distributed-executor-backend", "mp", "--uvicorn-log-level", "warning",
+            "--max-model-len", str(C.MAX_POSITIONS), "--distributed-executor-backend", "mp",
+            "--uvicorn-log-level", "warning",
             "--enable-scale-out"]
 
 
@@ -245,6 +246,15 @@ def wait_sync(out: Path, procs, rank: int, v: int) -> dict:
             break
         time.sleep(0.5)
     pytest.fail(f"no record of sync {v} from trainer rank {rank}:\n{logs(out)}")
+
+
+def wait_ready(out: Path, procs: list[subprocess.Popen], v: int) -> None:
+    """Returns once both trainers wait to sync ``v`` (their training step and gather, jax's traffic, are done)."""
+    deadline = time.monotonic() + STEP
+    while not all((out / f"ready_v{v}_r{rank}").exists() for rank in range(C.TRAINERS)):
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            pytest.fail(f"the trainers did not get ready for sync {v}:\n{logs(out)}")
+        time.sleep(0.1)
 
 
 def finish(procs, out: Path) -> list[int]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -31,7 +30,6 @@ from tests._procs import bench_module, kill_all  # noqa: E402
 from tests.vllm import _common as C  # noqa: E402
 from tests.vllm._live import (  # noqa: E402
     ENGINE_START,
-    STEP,
     assert_matches,
     engine_env,
     finish,
@@ -39,6 +37,7 @@ from tests.vllm._live import (  # noqa: E402
     oracle,
     serve_command,
     start_trainers,
+    wait_ready,
     wait_sync,
     write_model,
 )
@@ -71,15 +70,6 @@ def _link_bytes(c, node: int) -> dict[str, int]:
     return out
 
 
-def _wait_ready(out: Path, procs: list[subprocess.Popen], v: int) -> None:
-    """Returns once both trainers wait to sync ``v`` (their training step and gather, jax's traffic, are done)."""
-    deadline = time.monotonic() + STEP
-    while not all((out / f"ready_v{v}_r{rank}").exists() for rank in range(C.TRAINERS)):
-        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-            pytest.fail(f"the trainers did not get ready for sync {v}:\n{logs(out)}")
-        time.sleep(0.1)
-
-
 @pytest.mark.skipif(REASON is not None, reason=f"no simulated cluster here ({REASON}); "
                                                "tests/vllm/test_serve_live.py runs the same syncs on loopback")
 def test_trainers_on_two_other_nodes_sync_a_served_engine_over_the_shaped_links(tmp_path):
@@ -101,7 +91,7 @@ def test_trainers_on_two_other_nodes_sync_a_served_engine_over_the_shaped_links(
             procs = start_trainers(engine, out, "1,2", pause="commit", gate=True, host=c.addr(1),
                                    place=lambda rank, argv: c.command(1 + rank, argv))
             for v in (1, 2):
-                _wait_ready(out, procs, v)
+                wait_ready(out, procs, v)
                 before = {k: _link_bytes(c, k) for k in range(3)}
                 (out / f"start_v{v}").touch()
                 rec = wait_sync(out, procs, 0, v)
