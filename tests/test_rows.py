@@ -59,3 +59,19 @@ def test_rows_out_of_order_are_sorted_and_kept_whole():
         assert (order == np.arange(len(order))).all()
         assert tp.move_lo[:, 0].tolist() == [4, 0, 4, 0]  # the lower rows first: their sender's id is lower
     assert {type(g) for g in p._groups} == {ArrayRows}
+
+
+def test_each_group_keeps_its_leaves_bounds_as_arrays_and_the_plan_sums_them():
+    src, dst = _tree(6, ("fsdp",), ("tp",), (64,))
+    src["w"] = Layout((16, 32), Mesh(np.arange(16).reshape(4, 4), ("fsdp", "tp")), ("fsdp", "tp"), "bfloat16")
+    dst["w"] = Layout((16, 32), Mesh(np.arange(16, 24).reshape(2, 4), ("dp", "tp")), (None, "tp"), "bfloat16")
+    p = plan(src, dst)
+    assert len(p._groups) == 2
+    tensors = list(p.tensors.values())
+    assert p.stats().lower_bound_bytes == sum(t.lower_bound_bytes for t in tensors)
+    assert p.stats().naive_bytes == sum(t.naive_bytes for t in tensors)
+    bounds = p._groups[0].lower
+    assert not bounds.leaves.flags.writeable and not bounds.nbytes.flags.writeable
+    missing = next(i for i in range(len(tensors)) if i not in bounds.leaves.tolist())
+    with pytest.raises(KeyError):
+        bounds[missing]

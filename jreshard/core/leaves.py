@@ -22,6 +22,7 @@ from jreshard.core.rows import (
     IN_ORDER,
     ArrayRows,
     GroupRows,
+    LeafBytes,
     LeafRanges,
     PairRows,
     TiledRows,
@@ -58,8 +59,8 @@ class _Stage:
     pdst_c: np.ndarray  # [C, M] receiver per pair and overlap
     psrc_c: np.ndarray  # [C, M] sender per pair and overlap (local copy, or the first replica)
     local_c: np.ndarray  # [C, M] whether the receiver holds the overlap already
-    lower: dict[int, int]
-    naive: dict[int, int]
+    lower: LeafBytes
+    naive: LeafBytes
 
 
 class _Chosen(NamedTuple):
@@ -220,9 +221,9 @@ def _stage(key: GroupKey, members: np.ndarray, pairs: _Pairs) -> _Stage:
     local_c = dst_src_shard[:, p.dst_pos] == p.src_shard[None, :]
     first = src_ids[:, sgrid.groups[p.src_shard, 0]] if M else pdst_c
     psrc_c = np.where(local_c, pdst_c, first)
-    leaf = members.tolist()
+    _frozen(members, lacking, naive)
     return _Stage(members, p, src_ids, itemsize, inv, pdst_c, psrc_c, local_c,
-                  dict(zip(leaf, lacking.tolist(), strict=True)), dict(zip(leaf, naive.tolist(), strict=True)))
+                  LeafBytes(members, lacking), LeafBytes(members, naive))
 
 
 def _choice(gi: int, stage: _Stage, key: GroupKey) -> Choice | None:

@@ -178,7 +178,7 @@ class Plan:
         rows = self._groups[where.group]
         src, dst, itemsize = self._leaves[leaf]
         s, d, lo, hi = rows.rows(where.start, where.stop)
-        return TensorPlan(src, dst, itemsize, s, d, lo, hi, int(rows.lower[leaf]), int(rows.naive[leaf]))
+        return TensorPlan(src, dst, itemsize, s, d, lo, hi, rows.lower[leaf], rows.naive[leaf])
 
     @property
     def tensors(self) -> dict[str, TensorPlan]:
@@ -232,8 +232,8 @@ class Plan:
     def stats(self) -> PlanStats:
         if self._stats is None:
             src, dst, nb, moves = self.move_arrays()
-            lower = sum(sum(g.lower.values()) for g in self._groups)
-            naive = sum(sum(g.naive.values()) for g in self._groups)
+            lower = sum(g.lower.total() for g in self._groups)
+            naive = sum(g.naive.total() for g in self._groups)
             unit = _unit((leaf.src, leaf.dst) for leaf in self._leaves)
             self._stats = plan_stats(src, dst, nb, lower, naive, unit, moves)
         return self._stats

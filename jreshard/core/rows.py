@@ -15,8 +15,8 @@ import numpy as np
 
 from jreshard.core.overlaps import Overlaps
 
-__all__ = ["ArrayRows", "GroupRows", "LeafRange", "LeafRanges", "MoveArrays", "MoveRows", "PairRows", "pair_order",
-           "presorted_rows", "IN_ORDER"]
+__all__ = ["ArrayRows", "GroupRows", "LeafBytes", "LeafRange", "LeafRanges", "MoveArrays", "MoveRows", "PairRows",
+           "pair_order", "presorted_rows", "IN_ORDER"]
 
 
 class LeafRange(NamedTuple):
@@ -40,6 +40,28 @@ class LeafRanges:
 
     def __getitem__(self, leaf: int) -> LeafRange:
         return LeafRange(int(self.group[leaf]), int(self.start[leaf]), int(self.stop[leaf]))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LeafBytes:
+    """A byte count per leaf of a group, as two arrays: the group's leaves, ascending, and their counts.
+
+    A group of 200,000 tensors keeps two arrays, not a dict of 200,000 entries; a plan reads
+    the total, and a tensor's count when its ``TensorPlan`` is built.
+    """
+
+    leaves: np.ndarray  # int64, ascending
+    nbytes: np.ndarray  # int64
+
+    def __getitem__(self, leaf: int) -> int:
+        at = int(np.searchsorted(self.leaves, leaf))
+        if at == len(self.leaves) or self.leaves[at] != leaf:
+            raise KeyError(leaf)
+        return int(self.nbytes[at])
+
+    def total(self) -> int:
+        """The counts' sum, as a Python int (exact: each group's total fits int64, ``_check_byte_counts``)."""
+        return int(self.nbytes.sum())
 
 
 class MoveRows(NamedTuple):
@@ -70,8 +92,8 @@ class MoveArrays(NamedTuple):
 class ArrayRows:
     """A group's move rows as arrays [rows], tensor after tensor."""
 
-    lower: dict[int, int]  # leaf -> lower bound bytes
-    naive: dict[int, int]  # leaf -> gather-then-broadcast bytes
+    lower: LeafBytes  # lower bound bytes per leaf
+    naive: LeafBytes  # gather-then-broadcast bytes per leaf
     src: np.ndarray
     dst: np.ndarray
     nbytes: np.ndarray
@@ -97,8 +119,8 @@ class PairRows:
     of size tensors x overlaps is built.
     """
 
-    lower: dict[int, int]  # leaf -> lower bound bytes
-    naive: dict[int, int]  # leaf -> gather-then-broadcast bytes
+    lower: LeafBytes  # lower bound bytes per leaf
+    naive: LeafBytes  # gather-then-broadcast bytes per leaf
     overlaps: Overlaps
     perm: np.ndarray | None  # [C, M], None when every pair keeps overlap order
     psrc: np.ndarray  # [C, M]
@@ -137,8 +159,8 @@ class TiledRows:
     the overlaps' volumes times ``itemsize[k]``; ``move_arrays`` expands them, nothing else does.
     """
 
-    lower: dict[int, int]  # leaf -> lower bound bytes
-    naive: dict[int, int]  # leaf -> gather-then-broadcast bytes
+    lower: LeafBytes  # lower bound bytes per leaf
+    naive: LeafBytes  # gather-then-broadcast bytes per leaf
     overlaps: Overlaps
     src: np.ndarray  # [T*M] sender per row, tensor after tensor
     pdst: np.ndarray  # [C, M] receiver per pair and overlap
