@@ -152,9 +152,28 @@ class _ExpertMeshes(NamedTuple):
         return make(info.shape, mesh, inner, dtype)
 
 
-def _num_experts(infos: Sequence[TensorInfo]) -> int:
-    stacked = max((t.shape[0] for t in infos if t.stacked), default=0)
-    return max(stacked, max((t.expert for t in infos if t.expert is not None and not t.stacked), default=-1) + 1)
+class _Facts(NamedTuple):
+    """What the degrees are checked against, read in one pass over a model's tensors."""
+
+    n_experts: int  # routed experts (0 without)
+    n_layers: int  # decoder layers
+    distinct: list[TensorInfo]  # one tensor per way of splitting (role, shape, heads, stacked, is_expert)
+
+    @classmethod
+    def of(cls, infos: Sequence[TensorInfo]) -> _Facts:
+        seen: dict[tuple, TensorInfo] = {}
+        n_exp, last_layer = 0, -1
+        for t in infos:  # a frontier model has 200,000 tensors: one lean pass
+            key = (t.role, t.shape, t.heads, t.replicate_heads, t.stacked, t.expert is None)
+            if key not in seen:
+                seen[key] = t
+            if t.stacked:
+                n_exp = max(n_exp, t.shape[0])
+            elif t.expert is not None and t.expert >= n_exp:
+                n_exp = t.expert + 1
+            if t.layer is not None and t.layer > last_layer:
+                last_layer = t.layer
+        return cls(n_exp, last_layer + 1, list(seen.values()))
 
 
 def _tp_dim(info: TensorInfo) -> int | None:
@@ -202,31 +221,30 @@ def check_degrees(infos: Sequence[TensorInfo], par: TrainParallel | InferParalle
       Traceback (most recent call last):
       ValueError: tp=8 on model.layers.0.self_attn.k_proj.weight: 8 tensor-parallel ranks for 4 heads, which ...
     """
+    _check(_Facts.of(infos), par)
+
+
+def _check(facts: _Facts, par: TrainParallel | InferParallel) -> None:
+    """``check_degrees`` on the facts of a model."""
     if not isinstance(par, (TrainParallel, InferParallel)):
         raise TypeError(f"par must be a TrainParallel or an InferParallel, got {type(par).__name__}.")
     infer = isinstance(par, InferParallel)
     # Experts follow tp only at inference without ep and expert_tp; else expert_tp cuts them.
     follow_tp = isinstance(par, InferParallel) and not par.splits_experts
     expert_arg, expert_degree = ("tp", par.tp) if follow_tp else ("expert_tp", par.expert_tp)
-    seen: set[tuple] = set()
-    for t in infos:
-        key = (t.role, t.shape, t.heads, t.replicate_heads, t.stacked, t.expert is None)  # with stacked: is_expert
-        if key in seen:
-            continue
-        seen.add(key)
+    for t in facts.distinct:
         if t.is_expert:
             _check_split(t, expert_arg, expert_degree, False)
         else:
             _check_split(t, "tp", par.tp, infer)
-    n_exp = _num_experts(infos)
+    n_exp = facts.n_experts
     if par.ep > 1 and not n_exp:
         raise ValueError(f"ep={par.ep} but the model has no routed experts; use ep=1.")
     if n_exp % par.ep:
         raise ValueError(f"ep={par.ep} does not divide the model's {n_exp} routed experts; "
                          f"make ep a divisor of {n_exp}.")
     if isinstance(par, TrainParallel):
-        n_layers = max((t.layer for t in infos if t.layer is not None), default=-1) + 1
-        stage_of_layers(n_layers, par.pp)
+        stage_of_layers(facts.n_layers, par.pp)
 
 
 def train_layouts(infos: Sequence[TensorInfo], par: TrainParallel, devices: Iterable[int],
@@ -243,11 +261,11 @@ def train_layouts(infos: Sequence[TensorInfo], par: TrainParallel, devices: Iter
         raise TypeError(f"par must be a TrainParallel, got {type(par).__name__}.")
     devices = list(devices)
     stage_size, dense_dp, _ = par.world(len(devices))
-    check_degrees(infos, par)
+    facts = _Facts.of(infos)
+    _check(facts, par)
     ids = _device_array(devices, len(devices), "devices").reshape(par.pp, stage_size)
-    n_layers = max((t.layer for t in infos if t.layer is not None), default=-1) + 1
-    layer_stage = stage_of_layers(n_layers, par.pp) if n_layers else []
-    n_exp = _num_experts(infos)
+    layer_stage = stage_of_layers(facts.n_layers, par.pp) if facts.n_layers else []
+    n_exp = facts.n_experts
     dense_mesh = [Mesh(ids[s].reshape(dense_dp, par.fsdp, par.cp, par.tp), ("dp", "fsdp", "cp", "tp"))
                   for s in range(par.pp)]
     experts = [_ExpertMeshes.build(ids[s], par.ep, par.fsdp, par.expert_tp, n_exp) for s in range(par.pp)]
@@ -287,14 +305,14 @@ def infer_layouts(infos: Sequence[TensorInfo], par: InferParallel, devices: Iter
         raise TypeError(f"par must be an InferParallel, got {type(par).__name__}.")
     devices = list(devices)
     par.check(len(devices))
-    check_degrees(infos, par)
+    facts = _Facts.of(infos)
+    _check(facts, par)
     ids = _device_array(devices, len(devices), "devices")
     mesh = Mesh(par.engines(ids), ("dp", "tp"))
     # KV heads fewer than tp: each head on `replicas` consecutive tp ranks (vLLM), so the
     # tp axis splits into the head groups (still "tp") and their copies ("tp_replica").
     head_mesh: dict[int, Mesh] = {1: mesh}
-    n_exp = _num_experts(infos)
-    experts = _ExpertMeshes.build(ids, par.ep, 1, par.expert_tp, n_exp) if par.splits_experts else None
+    experts = _ExpertMeshes.build(ids, par.ep, 1, par.expert_tp, facts.n_experts) if par.splits_experts else None
     tp = "tp" if par.tp > 1 else None
     out: dict[str, Layout] = {}
     make = _Layouts()
