@@ -162,11 +162,11 @@ def _combos(members: np.ndarray, pairs: _Pairs) -> tuple[np.ndarray, np.ndarray,
     """Distinct (src mesh, dst mesh) pairs of a group: src ids [C, S], dst ids [C, D], tensor -> pair."""
     # Distinct leaves are numbered in order of their first leaf, so their meshes are met in
     # the same order as the members' meshes.
-    mine, local = np.unique(pairs.of[members], return_inverse=True)
+    mine, local = _unique_small(pairs.of[members], len(pairs.uniq))
     local = local.ravel()
     s_tab, s_inv = _mesh_table([pairs.uniq[i].src.mesh for i in mine.tolist()])
     d_tab, d_inv = _mesh_table([pairs.uniq[i].dst.mesh for i in mine.tolist()])
-    uniq, inv = np.unique(s_inv[local] * len(d_tab) + d_inv[local], return_inverse=True)
+    uniq, inv = _unique_small(s_inv[local] * len(d_tab) + d_inv[local], len(s_tab) * len(d_tab))
     return s_tab[uniq // len(d_tab)], d_tab[uniq % len(d_tab)], inv.ravel()
 
 
@@ -267,7 +267,7 @@ def _add_fixed_load(stage: _Stage, fixed_load: dict[int, float]) -> None:
     send = ~stage.local_c[pairs]  # [pairs, M]: every mesh pair at once
     ids = stage.psrc_c[pairs][send]
     b = (stage.overlaps.vol[None, :] * weight[pairs][:, None])[send]
-    uniq, inv = np.unique(ids, return_inverse=True)
+    uniq, inv = _unique_small(ids, int(ids.max(initial=-1)) + 1)  # device ids: non-negative (Mesh)
     # Whole byte counts: float64 adds them exactly (below 2**53), in any order.
     totals = np.bincount(inv.ravel(), weights=b, minlength=len(uniq))
     for sid, total in zip(uniq.tolist(), totals.tolist(), strict=True):
