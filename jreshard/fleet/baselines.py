@@ -44,9 +44,9 @@ import numpy as np
 
 from jreshard.core.layout import Layout
 from jreshard.core.mesh import Mesh
-from jreshard.fleet.classes import Classes, class_rows, classes
+from jreshard.fleet.classes import Classes, class_parts, class_rows, classes
 from jreshard.fleet.hardware import Topology
-from jreshard.fleet.traffic import Prediction, Traffic, check_pair, predict, rows_traffic
+from jreshard.fleet.traffic import Prediction, Traffic, check_pair, parts_traffic, predict
 
 __all__ = ["gather_broadcast", "pipelined_tree", "flat_direct"]
 
@@ -222,5 +222,5 @@ def flat_direct(src: Mapping[str, Layout], dst: Mapping[str, Layout], topo: Topo
     """
     check_pair(src, dst)
     k = by_class if by_class is not None else classes(src, dst)
-    s, d, nb, _ = class_rows(k.pairs, k.counts)
-    return predict(rows_traffic(s, d, nb, topo), topo)
+    parts = class_parts(k.pairs, k.counts)
+    return predict(parts_traffic([(a.src, a.dst, a.nbytes) for a in parts], topo), topo)

@@ -28,7 +28,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -37,8 +37,8 @@ from jreshard.core.layout import Layout
 from jreshard.core.planner import Plan, PlanStats, TensorPlan
 from jreshard.fleet.hardware import Topology
 
-__all__ = ["Traffic", "Prediction", "predict", "plan_traffic", "rows_traffic", "predict_plan", "sender_load_bound",
-           "check_pair"]
+__all__ = ["Traffic", "Prediction", "predict", "plan_traffic", "rows_traffic", "parts_traffic", "predict_plan",
+           "sender_load_bound", "check_pair"]
 
 
 @dataclasses.dataclass(slots=True)
@@ -143,14 +143,26 @@ def plan_traffic(p: Plan | TensorPlan, topo: Topology) -> Traffic:
 
 def rows_traffic(src: np.ndarray, dst: np.ndarray, nb: np.ndarray, topo: Topology) -> Traffic:
     """``plan_traffic`` of move rows (sender, receiver, bytes), however many moves a row stands for."""
+    return parts_traffic([(src, dst, nb)], topo)
+
+
+def parts_traffic(parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], topo: Topology) -> Traffic:
+    """``rows_traffic`` of the rows of every part together, without joining them into one set of arrays.
+
+    Sends are coalesced per (sender, receiver) pair across the parts. The sums are of whole
+    byte counts, which float64 adds exactly (below 2**53), so they do not depend on the parts.
+    """
     traffic = Traffic.zeros(0)
-    net = src != dst
-    if (~net).any():
-        traffic.add_edges(src[~net], dst[~net], nb[~net], np.zeros(int((~net).sum())), topo, copies=True)
-    src, dst, nb = src[net], dst[net], nb[net]
-    if len(src):
-        top = int(max(src.max(), dst.max())) + 1
-        pair_bytes = np.bincount(src * top + dst, weights=nb)
+    net = [src != dst for src, dst, _ in parts]
+    for (src, dst, nb), n in zip(parts, net, strict=True):
+        if not n.all():
+            traffic.add_edges(src[~n], dst[~n], nb[~n], np.zeros(int((~n).sum())), topo, copies=True)
+    tops = [int(max(src[n].max(), dst[n].max())) + 1 for (src, dst, _), n in zip(parts, net, strict=True) if n.any()]
+    if tops:
+        top = max(tops)
+        pair_bytes = np.zeros(top * top)
+        for (src, dst, nb), n in zip(parts, net, strict=True):
+            pair_bytes += np.bincount(src[n] * top + dst[n], weights=nb[n], minlength=top * top)
         pairs = np.nonzero(pair_bytes)[0]
         b = pair_bytes[pairs]
         traffic.add_edges(pairs // top, pairs % top, b, np.ceil(b / topo.bucket_bytes), topo, copies=True)
