@@ -153,16 +153,18 @@ def parts_traffic(parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], to
     byte counts, which float64 adds exactly (below 2**53), so they do not depend on the parts.
     """
     traffic = Traffic.zeros(0)
-    net = [src != dst for src, dst, _ in parts]
-    for (src, dst, nb), n in zip(parts, net, strict=True):
+    remote = []  # each part's sends between distinct devices
+    for src, dst, nb in parts:
+        n = src != dst
         if not n.all():
             traffic.add_edges(src[~n], dst[~n], nb[~n], np.zeros(int((~n).sum())), topo, copies=True)
-    tops = [int(max(src[n].max(), dst[n].max())) + 1 for (src, dst, _), n in zip(parts, net, strict=True) if n.any()]
-    if tops:
-        top = max(tops)
+        if n.any():
+            remote.append((src[n], dst[n], nb[n]))
+    if remote:
+        top = max(int(max(src.max(), dst.max())) for src, dst, _ in remote) + 1
         pair_bytes = np.zeros(top * top)
-        for (src, dst, nb), n in zip(parts, net, strict=True):
-            pair_bytes += np.bincount(src[n] * top + dst[n], weights=nb[n], minlength=top * top)
+        for src, dst, nb in remote:
+            pair_bytes += np.bincount(src * top + dst, weights=nb, minlength=top * top)
         pairs = np.nonzero(pair_bytes)[0]
         b = pair_bytes[pairs]
         traffic.add_edges(pairs // top, pairs % top, b, np.ceil(b / topo.bucket_bytes), topo, copies=True)
